@@ -1,0 +1,30 @@
+"""commpress compressors: what goes on the wire (pure tensor transforms, no communication).
+
+Example::
+
+    >>> import compressors
+    >>> c = compressors.from_spec("topk:density=0.01")
+    >>> c.families
+    ('allgather', 'two_phase')
+"""
+
+import logging
+
+from .base import FAMILIES, Compressor, Context
+from .registry import REGISTRY, available, from_spec, get, parse_spec, register
+from .error_feedback import ErrorFeedback
+from .identity import Identity
+from .fp16 import FP16
+from .bf16 import BF16
+from .topk import TopK
+from .randomk import RandomK
+from .qsgd import QSGD
+from .sign import ScaledSign
+
+__all__ = [
+    "FAMILIES", "Compressor", "Context", "REGISTRY", "available", "from_spec", "get",
+    "parse_spec", "register", "ErrorFeedback", "Identity", "FP16", "BF16", "TopK", "RandomK",
+    "QSGD", "ScaledSign",
+]
+
+logger = logging.getLogger(__name__)

@@ -1,0 +1,39 @@
+"""Shared code of the low-precision casts ``FP16`` and ``BF16`` (one file each)."""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+
+from .base import Compressor, check_input
+
+__all__ = ["Cast"]
+
+logger = logging.getLogger(__name__)
+
+
+class Cast(Compressor):
+    """Round to a narrower float (round-to-nearest-even); linear: summed in that float."""
+
+    wire_dtype: ClassVar[torch.dtype]
+    families = ("allreduce", "allgather", "two_phase")
+    unbiased = False  # round-to-nearest: error feedback removes the drift
+
+    def compress(self, x, ctx):
+        check_input(x)
+        if x.dtype == self.wire_dtype:
+            return [x]
+        return [x.to(self.wire_dtype)]
+
+    def decompress(self, payload, ctx):
+        return payload[0].to(ctx.dtype)
+
+    def wire_bytes(self, numel, dtype=None):
+        return numel * self.wire_dtype.itemsize
+
+    def error_bound(self, x):
+        # half an ulp of the wire dtype, relative; plus the smallest subnormal for tiny values
+        info = torch.finfo(self.wire_dtype)
+        return x.abs() * (info.eps / 2) + info.smallest_normal * info.eps

@@ -1,0 +1,103 @@
+"""``RandomK``: k elements at indices every rank derives from a shared seed (linear family)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .base import Compressor, check_density, check_input
+from .hashrng import SHARED, lowbias32_int, stream_key
+from .registry import register
+
+__all__ = ["RandomK", "shared_indices"]
+
+logger = logging.getLogger(__name__)
+
+# odd multipliers below 2**31 so int64 products of m-bit values (m <= 32) never overflow
+_A = 0x2545F491
+_B = 0x6C8E9CF5
+
+
+def shared_indices(numel: int, k: int, key: int, device=None) -> torch.Tensor:
+    """k distinct indices in [0, numel), a keyed permutation of ``0..k-1``.
+
+    A bijection on m-bit integers (xor key, multiply by odd, xorshift, ...), 2**m >= numel,
+    with cycle walking for values >= numel: distinct outputs, O(k) work, no RNG state.
+    """
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    m = max(1, (numel - 1).bit_length())
+    mask = (1 << m) - 1
+    sh = (m + 1) // 2
+    k1 = lowbias32_int(key) & mask
+    k2 = lowbias32_int(key ^ 0x68E31DA4) & mask
+
+    def perm(y):
+        y = (y ^ k1) & mask
+        y = (y * _A) & mask
+        y ^= y >> sh
+        y = (y * _B) & mask
+        y ^= y >> sh
+        return (y + k2) & mask
+
+    y = perm(torch.arange(k, dtype=torch.int64, device=device))
+    for _ in range(10_000):  # cycle walking; each round keeps >= half the domain below numel
+        bad = y >= numel
+        if not bool(bad.any()):
+            break
+        y = torch.where(bad, perm(y), y)
+    return y
+
+
+@register("randomk")
+class RandomK(Compressor):
+    """Random-k sparsification with indices shared by all ranks, so values can be summed.
+
+    Args:
+        density: fraction kept, in (0, 1].
+        seed: folded with the hook's seed, step and bucket; every rank must use the same.
+
+    Payload: ``[values (k,)]`` only — receivers recompute the indices. Biased (unscaled):
+    use error feedback.
+    """
+
+    name = "randomk"
+    families = ("allreduce", "allgather")
+
+    def __init__(self, density: float = 0.01, seed: int = 0):
+        self.density = check_density(density)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
+        self._cache: tuple | None = None
+
+    def config(self):
+        return {"density": self.density, "seed": self.seed}
+
+    def k_for(self, numel):
+        return max(1, min(numel, math.ceil(self.density * numel))) if numel else 0
+
+    def wire_bytes(self, numel, dtype=torch.float32):
+        return self.k_for(numel) * dtype.itemsize
+
+    def indices(self, ctx) -> torch.Tensor:
+        key = stream_key(self.seed ^ ctx.seed, ctx.step, ctx.bucket, SHARED)
+        tag = (ctx.numel, key, str(ctx.device))
+        if self._cache is None or self._cache[0] != tag:
+            idx = shared_indices(ctx.numel, self.k_for(ctx.numel), key, ctx.device)
+            self._cache = (tag, idx)
+        return self._cache[1]
+
+    def compress(self, x, ctx):
+        check_input(x)
+        return [x[self.indices(ctx)]]
+
+    def decompress(self, payload, ctx):
+        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payload[0].device)
+        out[self.indices(ctx)] = payload[0].to(ctx.dtype)
+        return out
+
+    def decompress_add_(self, payload, ctx, acc):
+        return acc.index_add_(0, self.indices(ctx), payload[0].to(acc.dtype))
