@@ -1,0 +1,23 @@
+"""commpress comms: how compressed gradients travel (backends, algorithms, DDP hooks).
+
+Example::
+
+    >>> import comms
+    >>> state = comms.register(ddp_model, "topk:density=0.01")
+    >>> print(state.report())
+"""
+
+import logging
+
+from .communicator import Communicator, TorchCommunicator
+from .algorithms import ALGORITHMS, get_algorithm
+from .state import BucketStats, CompressionState
+from .hook import compression_hook, dense_allreduce
+from .register import make_hook, register
+
+__all__ = [
+    "Communicator", "TorchCommunicator", "ALGORITHMS", "get_algorithm", "BucketStats",
+    "CompressionState", "compression_hook", "dense_allreduce", "make_hook", "register",
+]
+
+logger = logging.getLogger(__name__)

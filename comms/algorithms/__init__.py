@@ -1,0 +1,36 @@
+"""Aggregation algorithms: one file each, registered by name in ``ALGORITHMS``.
+
+An algorithm is a callable ``alg(comm, compressor, x, ctx, store) -> Future[(sum, own)]``:
+``x`` is this rank's (already averaged-by-world, error-fed) flat bucket, ``sum`` the
+aggregate every rank receives bit-identically, ``own`` this rank's decoded contribution for
+error feedback, ``store`` a per-bucket dict the algorithm may keep tensors in (persisted
+with the hook state). Each carries ``.family`` (the compressor family it needs) and
+``.wire_bytes(compressor, numel, dtype, world)`` (bytes sent per rank).
+"""
+
+import logging
+
+from .allreduce import allreduce
+from .allgather import allgather
+
+__all__ = ["ALGORITHMS", "register_algorithm", "get_algorithm", "allreduce", "allgather"]
+
+logger = logging.getLogger(__name__)
+
+ALGORITHMS = {}
+
+
+def register_algorithm(fn):
+    ALGORITHMS[fn.name] = fn
+    return fn
+
+
+def get_algorithm(name: str):
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}") from None
+
+
+for _fn in (allreduce, allgather):
+    register_algorithm(_fn)

@@ -1,0 +1,75 @@
+"""``allgather``: the gather family — every rank's payload to every rank, decoded and summed
+in rank order (so the floating-point sum is the same on all ranks).
+
+Traffic per rank grows as O(world). Variable-size payloads exchange their sizes first; a
+rank whose bucket layout differs from the others is detected there and every rank raises.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..futures import chain
+from .wire import from_bytes, layout_of, nbytes_of, to_bytes
+
+__all__ = ["allgather"]
+
+logger = logging.getLogger(__name__)
+
+
+def _sum_in_rank_order(compressor, ctx, payloads):
+    acc_dtype = torch.float32 if ctx.dtype in (torch.float16, torch.bfloat16) else ctx.dtype
+    acc = torch.zeros(ctx.numel, dtype=acc_dtype, device=ctx.device)
+    for r, p in enumerate(payloads):
+        compressor.decompress_add_(p, ctx.with_(rank=r, dtype=acc_dtype), acc)
+    return acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
+
+
+def allgather(comm, compressor, x, ctx, store):
+    """Allgather the compressed payloads, decode each, sum in rank order."""
+    payload = compressor.compress(x, ctx)
+    own = compressor.decompress(payload, ctx)
+    layout = layout_of(payload)
+    buf = to_bytes(payload)
+    world = comm.world_size
+
+    if compressor.fixed_size:
+        nbytes = buf.numel()
+
+        def done(fut):
+            g = fut.value().view(world, nbytes)
+            return _sum_in_rank_order(compressor, ctx, [from_bytes(g[r], layout) for r in range(world)]), own
+
+        return comm.all_gather(buf).then(done)
+
+    # variable size: exchange (numel of each payload tensor, bucket numel) first
+    sizes = torch.tensor([n for n, _ in layout] + [ctx.numel], dtype=torch.int64)
+    if buf.device.type != "cpu":
+        sizes = sizes.to(buf.device)
+
+    def after_sizes(all_sizes):
+        table = all_sizes.view(world, len(layout) + 1).cpu().tolist()  # host sync: sizes needed to slice
+        bad = [r for r, row in enumerate(table) if row[-1] != ctx.numel]
+        if bad:
+            raise ValueError(f"bucket {ctx.bucket}: numel differs across ranks "
+                             f"({[row[-1] for row in table]}); every rank must build the same buckets")
+        layouts = [tuple((n, dt) for n, (_, dt) in zip(row[:-1], layout)) for row in table]
+        width = max(nbytes_of(lay) for lay in layouts)
+        padded = torch.zeros(width, dtype=torch.uint8, device=buf.device)
+        padded[: buf.numel()] = buf
+
+        def done(fut):
+            g = fut.value().view(world, width)
+            ps = [from_bytes(g[r], layouts[r]) for r in range(world)]
+            return _sum_in_rank_order(compressor, ctx, ps), own
+
+        return comm.all_gather(padded).then(done)
+
+    return chain(comm.all_gather(sizes), after_sizes)
+
+
+allgather.name = "allgather"
+allgather.family = "allgather"
+allgather.wire_bytes = lambda compressor, numel, dtype, world: (world - 1) * compressor.wire_bytes(numel, dtype)

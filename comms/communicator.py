@@ -1,0 +1,102 @@
+"""The ``Communicator`` interface and its torch.distributed implementation.
+
+Every operation is asynchronous and returns a ``torch.futures.Future`` whose value is the
+output tensor. Tensors are flat and contiguous; ``all_gather`` returns ``world * n``
+elements in rank order, ``all_to_all`` exchanges ``world`` equal chunks, ``reduce_scatter``
+returns this rank's ``n / world`` chunk of the sum.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Communicator", "TorchCommunicator"]
+
+logger = logging.getLogger(__name__)
+
+
+class Communicator:
+    """Asynchronous collectives over a fixed group of ranks (sum is the only reduction)."""
+
+    backend: str = "abstract"
+    rank: int
+    world_size: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.futures.Future:
+        """Sum ``t`` over ranks, in place; the future's value is ``t``."""
+        raise NotImplementedError
+
+    def all_gather(self, t: torch.Tensor) -> torch.futures.Future:
+        """Concatenate every rank's ``t`` (same numel on all ranks) in rank order."""
+        raise NotImplementedError
+
+    def all_to_all(self, t: torch.Tensor) -> torch.futures.Future:
+        """Chunk ``j`` of ``t`` goes to rank ``j``; output chunk ``i`` came from rank ``i``."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.futures.Future:
+        """Sum over ranks and keep this rank's ``1/world`` chunk."""
+        raise NotImplementedError
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.futures.Future:
+        """Copy ``t`` from group rank ``src`` to all ranks, in place."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self.backend}, rank={self.rank}, world={self.world_size})"
+
+
+def _then_value(work, value: torch.Tensor) -> torch.futures.Future:
+    return work.get_future().then(lambda _f: value)
+
+
+class TorchCommunicator(Communicator):
+    """torch.distributed (gloo, nccl) on any process group, ``None`` meaning WORLD.
+
+    The group handle is not pickled (DDP hook states pickle without process groups).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+
+    def all_reduce(self, t):
+        return _then_value(dist.all_reduce(t, group=self.group, async_op=True), t)
+
+    def all_gather(self, t):
+        out = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
+        return _then_value(_all_gather_into(out, t, self.group), out)
+
+    def all_to_all(self, t):
+        if t.numel() % self.world_size:
+            raise ValueError(f"all_to_all needs numel divisible by world={self.world_size}, got {t.numel()}")
+        out = torch.empty_like(t)
+        return _then_value(dist.all_to_all_single(out, t, group=self.group, async_op=True), out)
+
+    def reduce_scatter(self, t):
+        if t.numel() % self.world_size:
+            raise ValueError(f"reduce_scatter needs numel divisible by world={self.world_size}, got {t.numel()}")
+        out = torch.empty(t.numel() // self.world_size, dtype=t.dtype, device=t.device)
+        return _then_value(_reduce_scatter_into(out, t, self.group), out)
+
+    def broadcast(self, t, src=0):
+        gsrc = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return _then_value(dist.broadcast(t, gsrc, group=self.group, async_op=True), t)
+
+
+# torch 2.13 prefers *_single names and warns on *_into_tensor / *_tensor; older torch lacks them
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_into(out, t, group):
+    return _AG(out, t, group=group, async_op=True)
+
+
+def _reduce_scatter_into(out, t, group):
+    return _RS(out, t, group=group, async_op=True)

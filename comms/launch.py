@@ -1,0 +1,123 @@
+"""Spawn gloo ranks on this machine and collect their results (tests, demo, benches).
+
+Each rank runs ``fn(rank, world, *args)`` after ``init_process_group("gloo")`` on a free
+local port; its return value (picklable) comes back in rank order. Any rank's exception, a
+dead rank, or the overall ``timeout`` terminates every rank and raises ``RuntimeError`` —
+never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["free_port", "spawn", "init_from_env"]
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(backend: str = "gloo", timeout_s: float = 60.0):
+    """``init_process_group`` from torchrun-style variables (RANK, WORLD_SIZE, MASTER_*)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _child(fn, rank, world, port, args, env, q, pg_timeout):
+    try:
+        os.environ.update(env)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, int(env.get("COMMPRESS_THREADS", "1"))))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=pg_timeout))
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        # plain pickle bytes: the queue's torch reducers would pass tensors through shared
+        # memory that vanishes when this process exits
+        q.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        q.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
+          pg_timeout: float | None = None, env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results in rank order.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world: number of ranks.
+        timeout: seconds for the whole run before every rank is killed.
+        pg_timeout: process-group timeout inside the ranks (default ``timeout``).
+        env: extra environment variables for the ranks.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, dict(env or {}), q,
+                                               pg_timeout or timeout), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"spawn: timed out after {timeout:.0f}s; finished ranks "
+                                   f"{sorted(results)}, failed {sorted(errors)}")
+            try:
+                rank, ok, val = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                if dead:
+                    time.sleep(0.5)  # let a traceback that is in flight arrive
+                    while not q.empty():
+                        rank, ok, val = q.get()
+                        (results if ok else errors)[rank] = val
+                    dead = [r for r in dead if r not in results and r not in errors]
+                    if dead:
+                        raise RuntimeError(f"spawn: rank(s) {dead} died with exit codes "
+                                           f"{[procs[r].exitcode for r in dead]}") from None
+                continue
+            (results if ok else errors)[rank] = val
+            if errors:
+                break
+        if errors:
+            r = min(errors)
+            raise RuntimeError(f"spawn: rank {r} failed:\n{errors[r]}")
+        return [pickle.loads(results[r]) for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

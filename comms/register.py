@@ -1,0 +1,53 @@
+"""One-line entry points: ``make_hook`` and ``register``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .hook import compression_hook
+from .state import CompressionState
+
+__all__ = ["make_hook", "register"]
+
+logger = logging.getLogger(__name__)
+
+
+def make_hook(compressor, *, process_group=None, error_feedback: bool | None = None, start_iter: int = 2,
+              **kwargs):
+    """Build ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Args:
+        compressor: a :class:`compressors.Compressor` or a spec string such as
+            ``"topk:density=0.01"``, ``"qsgd:bits=4"``, ``"sign"``.
+        process_group: the group to average over; ``None`` is WORLD. Any subgroup works.
+        error_feedback: keep residuals per bucket; ``None``: on for biased compressors only.
+        start_iter: iterations of plain allreduce first.
+        **kwargs: forwarded to :class:`~comms.state.CompressionState` (``algorithm``,
+            ``seed``, ``communicator``, ``min_compress_numel``).
+
+    Example::
+
+        >>> state, hook = comms.make_hook("qsgd:bits=4")
+        >>> ddp_model.register_comm_hook(state, hook)
+    """
+    state = CompressionState(compressor, process_group, error_feedback=error_feedback,
+                             start_iter=start_iter, **kwargs)
+    return state, compression_hook
+
+
+def register(ddp_model, compressor, **kwargs) -> CompressionState:
+    """Register the compression hook on a DDP model and return its state.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
+        ValueError: bad compressor spec or options (before any communication).
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
+                        f"got {type(ddp_model).__name__}")
+    state, hook = make_hook(compressor, **kwargs)
+    ddp_model.register_comm_hook(state, hook)
+    return state
