@@ -20,11 +20,12 @@ from .topk import TopK
 from .randomk import RandomK
 from .qsgd import QSGD
 from .sign import ScaledSign
+from .powersgd import PowerSGD
 
 __all__ = [
     "FAMILIES", "Compressor", "Context", "REGISTRY", "available", "from_spec", "get",
     "parse_spec", "register", "ErrorFeedback", "Identity", "FP16", "BF16", "TopK", "RandomK",
-    "QSGD", "ScaledSign",
+    "QSGD", "ScaledSign", "PowerSGD",
 ]
 
 logger = logging.getLogger(__name__)

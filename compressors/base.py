@@ -5,7 +5,8 @@ aggregation families (DESIGN.md §3) can move their payloads:
 
 * ``"allreduce"``  payload tensors can be summed elementwise (linear family);
 * ``"allgather"``  payloads are rank specific: gather all, decode each, sum in rank order;
-* ``"two_phase"``  compress chunks, all-to-all, decode-sum, re-compress, allgather.
+* ``"two_phase"``  compress chunks, all-to-all, decode-sum, re-compress, allgather;
+* ``"shared_scale"`` quantize with a scale shared by all ranks, integer-sum allreduce.
 
 Everything a receiver needs to decode another rank's payload is in the payload itself or
 in the :class:`Context`, which all ranks share for a bucket (numel, dtype, step, bucket,
@@ -24,7 +25,7 @@ __all__ = ["Context", "Compressor", "FAMILIES", "check_density", "check_chunk", 
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("allreduce", "allgather", "two_phase")
+FAMILIES = ("allreduce", "allgather", "two_phase", "shared_scale")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ class QSGD(Compressor):
     """
 
     name = "qsgd"
-    families = ("allgather", "two_phase")
+    families = ("allgather", "two_phase", "shared_scale")
     unbiased = True
 
     def __init__(self, bits: int = 8, chunk: int = 2048):

@@ -12,8 +12,11 @@ import logging
 
 from .allreduce import allreduce
 from .allgather import allgather
+from .two_phase import two_phase
+from .shared_scale import shared_scale
 
-__all__ = ["ALGORITHMS", "register_algorithm", "get_algorithm", "allreduce", "allgather"]
+__all__ = ["ALGORITHMS", "register_algorithm", "get_algorithm", "allreduce", "allgather", "two_phase",
+           "shared_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,5 +35,5 @@ def get_algorithm(name: str):
         raise ValueError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}") from None
 
 
-for _fn in (allreduce, allgather):
+for _fn in (allreduce, allgather, two_phase, shared_scale):
     register_algorithm(_fn)

@@ -1,0 +1,135 @@
+"""``shared_scale``: integer allreduce with one scale per chunk shared by every rank.
+
+The SwitchML / THC idea, for compressors of the ``"shared_scale"`` family (QSGD: its
+``bits`` choose the per-rank levels, its ``chunk`` the scale granularity):
+
+1. all-gather the per-chunk max-abs of ``x`` (a tiny message) and take the max over ranks —
+   max is exact, so every rank holds the same scale ``s`` per chunk (an all_gather instead of
+   a MAX allreduce keeps the :class:`~comms.communicator.Communicator` interface sum-only);
+2. every rank quantizes with that shared scale to integers ``q = floor(x L / s + u)`` in
+   ``[-L, L]``, ``u`` uniform from a private (rank-mixed) hash-RNG stream, so ``E[q] = x L / s``
+   (unbiased stochastic rounding);
+3. one integer allreduce sums the ``q`` exactly; every rank decodes ``sum(q) * s / L`` once.
+
+Overflow argument: ``|x| <= s`` per chunk on every rank (``s`` is the max over ranks), so
+``|x L / s| <= L`` and, after the clamp that absorbs fp rounding, ``|q| <= L``; the sum of
+``W`` ranks is at most ``W L``. Choosing ``L <= floor((2^(w-1) - 1) / W)`` for a ``w``-bit
+signed wire integer keeps ``|sum| <= 2^(w-1) - 1``: it can never wrap. gloo and NCCL sum int8
+and int32 but not int16, so the wire is int8 while that leaves at least
+``min(2^(bits-1) - 1, MIN_INT8_LEVELS)`` levels, and int32 (no saving against fp32) beyond —
+see :func:`shared_scale_levels`. The choice is recorded in ``store["shared_scale_levels"]``
+as ``[L, wire bits]``.
+
+Integer sums are exact and associative, so every rank decodes the same bits whatever the
+backend's summation order. Bytes sent per rank: ``16 (W-1)`` (layout header) ``+ 4 nchunks
+(W-1)`` (scales) ``+ 2 (W-1)/W * n * wire itemsize``.
+
+Example::
+
+    >>> state = comms.register(ddp_model, "qsgd:bits=8", algorithm="shared_scale")
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from compressors.hashrng import stream_key, uniform_into
+from compressors.qsgd import chunk_absmax
+
+from .layout_check import HEADER_BYTES, check_same_layout
+
+__all__ = ["shared_scale", "shared_scale_levels", "shared_scale_error_bound", "MIN_INT8_LEVELS"]
+
+logger = logging.getLogger(__name__)
+
+MIN_INT8_LEVELS = 7  # fewer int8 levels than this: widen the wire integer to int32
+_STREAM_SALT = 0x51A7E5CA  # keeps this stream apart from the compressor's own streams
+
+
+def shared_scale_levels(bits: int, world: int) -> tuple[int, torch.dtype]:
+    """``(L, wire dtype)``: levels per side and the integer that carries their sum.
+
+    Example::
+
+        >>> shared_scale_levels(8, 2)
+        (63, torch.int8)
+        >>> shared_scale_levels(8, 32)
+        (127, torch.int32)
+    """
+    target = max(1, (1 << (bits - 1)) - 1)
+    l8 = 127 // world
+    if l8 >= min(target, MIN_INT8_LEVELS):
+        return min(target, l8), torch.int8
+    return min(target, (2 ** 31 - 1) // world), torch.int32
+
+
+def _per_chunk_(t: torch.Tensor, per_chunk: torch.Tensor, chunk: int, op: str) -> torch.Tensor:
+    """``t[i] (op)= per_chunk[i // chunk]`` in place without a per-element expansion."""
+    n = t.numel()
+    nfull = n // chunk
+    if nfull:
+        getattr(t[: nfull * chunk].view(nfull, chunk), op)(per_chunk[:nfull, None])
+    if n > nfull * chunk:
+        getattr(t[nfull * chunk:], op)(per_chunk[nfull])
+    return t
+
+
+def shared_scale(comm, compressor, x, ctx, store):
+    """Shared-scale integer allreduce of flat ``x``; see the module docstring."""
+    if not compressor.supports("shared_scale") or not hasattr(compressor, "bits"):
+        raise TypeError(f"shared_scale needs a compressor of the 'shared_scale' family with "
+                        f"bits and chunk (QSGD); got {compressor.spec()!r}")
+    world, n, chunk = comm.world_size, x.numel(), compressor.chunk
+    check_same_layout(comm, "shared_scale", ctx)
+    levels, wire_dtype = shared_scale_levels(compressor.bits, world)
+    store["shared_scale_levels"] = torch.tensor([levels, wire_dtype.itemsize * 8], dtype=torch.int64)
+
+    xf = x if x.dtype == torch.float32 else x.float()
+    local = chunk_absmax(xf, chunk)
+    nch = local.numel()
+    scales = comm.all_gather(local).wait().view(world, nch).amax(0)  # intermediate round
+
+    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))  # fp32 L/s
+    step = scales / levels  # decode step: identical fp32 on every rank
+    t = torch.empty(n, dtype=torch.float32, device=x.device)
+    t.copy_(xf)
+    _per_chunk_(t, inv, chunk, "mul_")
+    u = torch.empty(n, dtype=torch.float32, device=x.device)
+    uniform_into(u, 0, stream_key(ctx.seed, ctx.step, ctx.bucket ^ _STREAM_SALT, ctx.rank))
+    t.add_(u).floor_().clamp_(-levels, levels)  # clamp: fp rounding of x*L/s may exceed L
+    del u
+    q = t.to(wire_dtype)
+    fut = comm.all_reduce(q)
+    # while the sum is in flight: this rank's decoded contribution (for error feedback)
+    own = _per_chunk_(t, step, chunk, "mul_").to(ctx.dtype)
+
+    def done(f):
+        out = f.value().to(torch.float32)
+        return _per_chunk_(out, step, chunk, "mul_").to(ctx.dtype), own
+
+    return fut.then(done)
+
+
+def _wire_bytes(compressor, numel, dtype, world):
+    _, wire_dtype = shared_scale_levels(compressor.bits, world)
+    nch = -(-numel // compressor.chunk)
+    return (world - 1) * (HEADER_BYTES + 4 * nch) + 2 * (world - 1) * numel * wire_dtype.itemsize // world
+
+
+def shared_scale_error_bound(compressor, xs, dtype=None) -> torch.Tensor:
+    """Per-element bound on ``|shared_scale sum - sum(xs)|`` (fp64): each rank errs by less
+    than one step ``s / L`` of the shared scale, plus fp slack for the decode."""
+    world, n = len(xs), xs[0].numel()
+    levels, _ = shared_scale_levels(compressor.bits, world)
+    s = torch.stack([chunk_absmax(x.float(), compressor.chunk) for x in xs]).amax(0).double()
+    per = s.repeat_interleave(compressor.chunk)[:n] / levels
+    eps = torch.finfo(dtype or xs[0].dtype).eps
+    return world * per * (1 + 4 * levels * 2.0 ** -23) + 4 * eps * sum(x.double().abs() for x in xs)
+
+
+shared_scale.name = "shared_scale"
+shared_scale.family = "shared_scale"
+shared_scale.wire_bytes = _wire_bytes
+shared_scale.error_bound = shared_scale_error_bound

@@ -1,0 +1,166 @@
+"""``two_phase``: compressed scatter-reduce then compressed allgather — O(1) traffic per rank.
+
+Steps for a bucket of ``n`` elements on ``W`` ranks (chunk ``m = ceil(n / W)``, the last
+chunk zero-padded so every chunk payload has the same byte size):
+
+1. every rank compresses its ``W`` chunks (chunk ``j`` with its own hash-RNG stream:
+   ``bucket`` is re-keyed per (phase, chunk), ``rank`` stays the rank's own);
+2. ``all_to_all`` the payloads: rank ``j`` receives every rank's chunk ``j``;
+3. the owner ``j`` decodes and sums them **in rank order** (fp32, or fp64 for fp64 buckets),
+   adds its *owner-side* error-feedback residual (``store["two_phase_residual"]``, reset when
+   the layout changes; used for biased compressors — unbiased ones re-compress without it so
+   the result stays unbiased), and re-compresses the sum;
+4. ``all_gather`` the owners' payloads; every rank, the owner too, decodes every owner's
+   payload — so all ranks hold the same bits.
+
+``own`` (for the caller's first-stage error feedback) is the concatenation of this rank's
+decoded phase-1 chunks. Bytes sent per rank: ``2 (W-1) P + 16 (W-1)`` where ``P`` is one
+chunk's payload and 16 the layout header.
+
+Rounds are issued from the caller's thread in program order and the intermediate ones are
+waited for there; only the final all_gather is asynchronous. A round issued from a
+completion callback would race with the next bucket's first round on another thread and
+mismatch collectives across ranks (the reason torch's PowerSGD hook fails on gloo with
+several buckets).
+
+Example::
+
+    >>> state = comms.register(ddp_model, "qsgd:bits=8", algorithm="two_phase")
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .layout_check import HEADER_BYTES, check_same_layout
+from .wire import from_bytes, layout_of, nbytes_of, to_bytes
+
+__all__ = ["two_phase", "chunk_context", "two_phase_error_bound"]
+
+logger = logging.getLogger(__name__)
+
+_RESIDUAL = "two_phase_residual"
+
+
+def chunk_context(ctx, world: int, phase: int, j: int, rank: int):
+    """The context of chunk ``j`` in ``phase`` (1: scatter, 2: owner re-compression)."""
+    m = -(-ctx.numel // world)
+    return ctx.with_(numel=m, bucket=((ctx.bucket * 2 + phase - 1) * world + j) & 0xFFFFFFFF, rank=rank)
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk(x: torch.Tensor, j: int, m: int) -> torch.Tensor:
+    lo, hi = j * m, min(x.numel(), (j + 1) * m)
+    if hi - lo == m:
+        return x[lo:hi]
+    out = x.new_zeros(m)
+    if hi > lo:
+        out[: hi - lo] = x[lo:hi]
+    return out
+
+
+def _owner_ef(compressor) -> bool:
+    return not compressor.unbiased
+
+
+def two_phase(comm, compressor, x, ctx, store):
+    """Two-phase compressed allreduce of flat ``x``; see the module docstring."""
+    if not compressor.fixed_size:
+        raise TypeError(f"two_phase needs a fixed-size compressor (equal chunk payloads); "
+                        f"{compressor.spec()!r} is variable-size")
+    world, rank, n = comm.world_size, comm.rank, x.numel()
+    check_same_layout(comm, "two_phase", ctx)
+    m = -(-n // world)
+
+    # phase 1: compress every chunk with this rank's private streams, exchange
+    payloads = [compressor.compress(_chunk(x, j, m), chunk_context(ctx, world, 1, j, rank))
+                for j in range(world)]
+    layout = layout_of(payloads[0])
+    nb = nbytes_of(layout)
+    if any(layout_of(p) != layout for p in payloads[1:]):
+        raise RuntimeError(f"{compressor.spec()} produced unequal chunk payloads; two_phase needs equal ones")
+    send = torch.empty(world * nb, dtype=torch.uint8, device=x.device)
+    for j, p in enumerate(payloads):
+        to_bytes(p, out=send[j * nb:(j + 1) * nb])
+    fut1 = comm.all_to_all(send)
+
+    # while the exchange is in flight: this rank's decoded contribution, for first-stage EF
+    own = torch.empty(world * m, dtype=ctx.dtype, device=x.device)
+    for j, p in enumerate(payloads):
+        own[j * m:(j + 1) * m] = compressor.decompress(p, chunk_context(ctx, world, 1, j, rank))
+    del payloads
+
+    recv = fut1.wait()  # intermediate round: waited here, see the module docstring
+    acc_dtype = _acc_dtype(ctx.dtype)
+    acc = torch.zeros(m, dtype=acc_dtype, device=x.device)
+    for i in range(world):  # rank order: one floating-point summation order
+        compressor.decompress_add_(from_bytes(recv[i * nb:(i + 1) * nb], layout),
+                                   chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
+    del recv
+    owner_in = acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
+    ctx2 = chunk_context(ctx, world, 2, rank, rank)
+    use_ef = _owner_ef(compressor)
+    if use_ef:
+        res = store.get(_RESIDUAL)
+        if res is not None and (res.numel() != m or res.dtype != ctx.dtype or res.device != x.device):
+            logger.debug("two_phase: bucket %d layout changed; owner residual reset", ctx.bucket)
+            res = None
+        if res is not None:
+            owner_in.add_(res)  # owner_in is a fresh tensor (acc or its cast)
+    p2 = compressor.compress(owner_in, ctx2)
+    if use_ef:
+        res = store.get(_RESIDUAL)
+        if res is None or res.numel() != m or res.dtype != ctx.dtype or res.device != x.device:
+            res = store[_RESIDUAL] = torch.empty(m, dtype=ctx.dtype, device=x.device)
+        torch.sub(owner_in, compressor.decompress(p2, ctx2), out=res)
+    layout2 = layout_of(p2)
+    nb2 = nbytes_of(layout2)
+    fut2 = comm.all_gather(to_bytes(p2))
+
+    def done(f):
+        g = f.value()
+        out = torch.empty(world * m, dtype=ctx.dtype, device=x.device)
+        for i in range(world):  # the owner decodes its own payload from the wire, like everyone
+            out[i * m:(i + 1) * m] = compressor.decompress(from_bytes(g[i * nb2:(i + 1) * nb2], layout2),
+                                                           chunk_context(ctx, world, 2, i, i))
+        return out[:n], own[:n]
+
+    return fut2.then(done)
+
+
+def _wire_bytes(compressor, numel, dtype, world):
+    m = -(-numel // world)
+    return (world - 1) * (2 * compressor.wire_bytes(m, dtype) + HEADER_BYTES)
+
+
+def two_phase_error_bound(compressor, xs, dtype=None) -> torch.Tensor:
+    """Per-element bound on ``|two_phase sum - sum(xs)|`` for a fresh ``store`` (fp64).
+
+    Phase 1 contributes the sum of per-rank chunk bounds ``b1``; the owner's re-compression
+    acts on a sum whose magnitude is at most ``|sum| + b1`` (bounds are monotone in ``|x|``),
+    plus floating-point slack for the rank-order sums and casts.
+    """
+    world, n = len(xs), xs[0].numel()
+    dtype = dtype or xs[0].dtype
+    m = -(-n // world)
+    eps = torch.finfo(dtype).eps
+    parts = []
+    for j in range(world):
+        chunks = [_chunk(x, j, m) for x in xs]
+        b1 = sum(compressor.error_bound(c).double() for c in chunks)
+        absx = sum(c.double().abs() for c in chunks)
+        y = sum(c.double() for c in chunks)
+        b2 = compressor.error_bound((y.abs() + b1).to(dtype)).double()
+        parts.append(b1 + b2 + (world + 2) * eps * (absx + b1 + b2))
+    return torch.cat(parts)[:n]
+
+
+two_phase.name = "two_phase"
+two_phase.family = "two_phase"
+two_phase.wire_bytes = _wire_bytes
+two_phase.error_bound = two_phase_error_bound
