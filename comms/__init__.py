@@ -14,10 +14,12 @@ from .algorithms import ALGORITHMS, get_algorithm
 from .state import BucketStats, CompressionState
 from .hook import compression_hook, dense_allreduce
 from .register import make_hook, register
+from .replicas import ReplicaMismatchError, check_replicas
 
 __all__ = [
     "Communicator", "TorchCommunicator", "ALGORITHMS", "get_algorithm", "BucketStats",
     "CompressionState", "compression_hook", "dense_allreduce", "make_hook", "register",
 ]
+__all__ += ["check_replicas", "ReplicaMismatchError"]
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,26 @@
-"""``compression_hook``: the DDP communication hook that compresses each gradient bucket."""
+"""``compression_hook``: the DDP communication hook that compresses each gradient bucket.
+
+Guarantees (see README "Troubleshooting and guarantees"):
+
+* **Configuration check.** The first call for each bucket layout allgathers one int64 hash
+  per field of :data:`comms.state.CONFIG_FIELDS` (compressor spec, algorithm, seed,
+  start_iter, ..., step, bucket numel and dtype) and raises ``ValueError`` on every rank,
+  naming the field and this rank's value, before the bucket's data moves.
+* **Non-finite gradients.** Each compressed bucket computes a non-finite flag as a tensor
+  (no host sync); the flags of all buckets of a step ride one tiny allreduce issued with the
+  step's last bucket. A bucket flagged on any rank comes back all-NaN on every rank (so
+  ``GradScaler`` skips the step, as with plain allreduce), and its residual and algorithm
+  store are reset on every rank. The flag is read on the host once per step, in a future
+  callback that runs after the flag allreduce has finished.
+* **Failures.** A collective that fails (dead peer, process-group timeout) completes the
+  bucket's future with a ``RuntimeError`` naming the algorithm or collective, the bucket,
+  its size, the step and the rank.
+* **Bucket layouts.** Residuals and stores belong to a bucket *layout* (its parameters in
+  order). When DDP rebuilds its buckets the residual is re-keyed (reset); when a freshly
+  started process sees DDP's first-iteration buckets after ``load_state_dict``, each saved
+  bucket is cut out of the current one and compressed exactly as before, so a resumed run
+  is bitwise identical to an uninterrupted one.
+"""
 
 
 import logging
@@ -10,11 +32,29 @@ from compressors import Context
 
 from .algorithms import get_algorithm
 from .futures import completed
-from .state import BucketStats, CompressionState
+from .state import CONFIG_FIELDS, BucketStats, CompressionState
 
 __all__ = ["compression_hook", "dense_allreduce"]
 
 logger = logging.getLogger(__name__)
+
+
+def _where(state, what: str, bucket: int, numel: int, dtype, step: int) -> str:
+    comm = state.comm()
+    return (f"commpress: {what} of bucket {bucket} ({numel} x {str(dtype).replace('torch.', '')}) "
+            f"at step {step} on rank {comm.rank} of {comm.world_size}")
+
+
+def _guarded(fut: torch.futures.Future, where: str) -> torch.futures.Future:
+    """Re-raise a failed collective as a RuntimeError that says which one failed."""
+
+    def check(f):
+        try:
+            return f.value()
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise RuntimeError(f"{where} failed: {exc}") from exc
+
+    return fut.then(check)
 
 
 def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures.Future:
@@ -24,13 +64,173 @@ def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures
     return comm.all_reduce(buf)
 
 
+def _check_config(state: CompressionState, index: int, buf: torch.Tensor, step: int) -> None:
+    """Once per (bucket, numel, dtype): every rank must run the same configuration."""
+    key = (index, buf.numel(), buf.dtype)
+    if key in state._checked:
+        return
+    comm = state.comm()
+    mine = state.config_hash(index, buf.numel(), buf.dtype, step)
+    t = torch.tensor(mine, dtype=torch.int64)
+    if buf.device.type != "cpu" and comm.backend not in ("gloo", "mpi"):
+        t = t.to(buf.device)
+    where = _where(state, "configuration-check allgather", index, buf.numel(), buf.dtype, step)
+    try:  # one host sync per bucket layout: what follows depends on the answer
+        table = comm.all_gather(t).wait().view(comm.world_size, len(mine)).cpu().tolist()
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError(f"{where} failed: {exc}") from exc
+    values = state.config_values(index, buf.numel(), buf.dtype, step)
+    for f, field in enumerate(CONFIG_FIELDS):
+        differ = [r for r, row in enumerate(table) if row[f] != table[0][f]]
+        if differ:
+            odd = [r for r, row in enumerate(table) if row[f] != mine[f]]
+            raise ValueError(
+                f"commpress: compressor configuration differs between ranks at bucket {index}: "
+                f"{field} is {values[f]!r} on rank {comm.rank}, different on rank(s) {odd}; every "
+                "rank must use the same compressor spec, algorithm, seed, start_iter, options, "
+                "step counter and bucket layout")
+    state._checked.add(key)
+
+
+class _Pending:
+    """A compressed (sub-)bucket of this step waiting for the step's non-finite flags."""
+
+    __slots__ = ("bucket", "step", "flag", "x", "fut", "result", "scatter")
+
+    def __init__(self, bucket, step, flag, x, fut, scatter):
+        self.bucket, self.step, self.flag, self.x, self.fut = bucket, step, flag, x, fut
+        self.scatter = scatter
+        self.result = torch.futures.Future()
+
+
+def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
+                   scatter=None) -> torch.futures.Future:
+    """EF + compress + aggregate one flat tensor in place; returns the (pending) future."""
+    comm = state.comm()
+    world = comm.world_size
+    compressor = state.compressor
+    alg = get_algorithm(state.algorithm_for(index, x.numel(), x.dtype))
+    x.div_(world)
+    if state.error_feedback:
+        state.memory.add_residual_(index, x)
+    # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce
+    flag = ~torch.isfinite(x.sum(dtype=torch.float64))
+    ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
+                  bucket=index, rank=comm.rank, seed=state.seed)
+    st = state.stats.get(index)
+    if st is None or st.numel != x.numel() or st.algorithm != alg.name:
+        dense = 2 * (world - 1) * x.numel() * x.element_size() // world
+        st = state.stats[index] = BucketStats(index, x.numel(), x.dtype, alg.name, dense,
+                                              alg.wire_bytes(compressor, x.numel(), x.dtype, world))
+    st.calls += 1
+    where = _where(state, f"{alg.name} collective", index, x.numel(), x.dtype, step)
+    fut = alg(comm, compressor, x, ctx, state.store(index))
+
+    def finish(f):
+        try:
+            total, own = f.value()
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise RuntimeError(f"{where} failed: {exc}") from exc
+        if state.error_feedback:
+            state.memory.update_(index, x, own)
+        x.copy_(total)
+        return x
+
+    p = _Pending(index, step, flag, x, fut.then(finish), scatter)
+    state._pending.append(p)
+    return p.result
+
+
+def _settle(state: CompressionState, p: _Pending, i: int, flags_fut) -> None:
+    try:
+        x = p.fut.value()
+        bad = flags_fut.value()[i] > 0
+        if bad:
+            # as with plain allreduce, the non-finite value reaches every rank; the
+            # residual and store must not keep it
+            x.fill_(float("nan"))
+            state.reset_bucket(p.bucket)
+            state.nonfinite_buckets += 1
+            msg = ("commpress: non-finite gradient in bucket %d at step %d: the bucket is NaN on "
+                   "every rank (GradScaler skips the step) and its error-feedback residual and "
+                   "algorithm store were reset (state.nonfinite_buckets counts these)")
+            if not state._warned_nonfinite:
+                state._warned_nonfinite = True
+                logger.warning(msg + "; logged once", p.bucket, p.step)
+            else:
+                logger.debug(msg, p.bucket, p.step)
+        if p.scatter is not None:
+            p.scatter(x)
+        p.result.set_result(x)
+    except BaseException as exc:  # noqa: BLE001 - forwarded to DDP
+        p.result.set_exception(exc)
+
+
+def _flush_pending(state: CompressionState, step: int) -> None:
+    """At the step's last bucket: one allreduce of every compressed bucket's non-finite flag."""
+    pending, state._pending = state._pending, []
+    if not pending:
+        return
+    comm = state.comm()
+    flags = torch.stack([p.flag for p in pending]).to(torch.float32)
+    where = _where(state, "non-finite-flag allreduce", pending[-1].bucket, flags.numel(),
+                   flags.dtype, step)
+    try:
+        ffut = _guarded(comm.all_reduce(flags), where).then(lambda f: f.value().tolist())
+    except Exception as exc:  # noqa: BLE001
+        ffut = torch.futures.Future()
+        ffut.set_exception(RuntimeError(f"{where} failed: {exc}"))
+    for i, p in enumerate(pending):
+        torch.futures.collect_all([p.fut, ffut]).add_done_callback(
+            lambda _c, p=p, i=i: _settle(state, p, i, ffut))
+
+
+def _drop_stale(state: CompressionState, step: int) -> None:
+    # a step that raised half-way never flushed; do not let its buckets wait forever
+    stale = [p for p in state._pending if p.step != step]
+    if stale:
+        state._pending = [p for p in state._pending if p.step == step]
+        for p in stale:
+            p.result.set_exception(RuntimeError(f"commpress: step {p.step} was abandoned"))
+
+
+def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):
+    """``[(sub_index, segments)]``: how to compress this bucket given the saved layouts.
+
+    ``segments`` is ``None`` for the whole bucket, else the ``(offset, numel)`` slices of
+    ``buf`` that form saved bucket ``sub_index`` (resume onto DDP's first-iteration buckets).
+    """
+    params = bucket.parameters()
+    keys = tuple(state.param_key(p) for p in params)
+    if state.layouts.get(index) == keys:
+        return [(index, None)]
+    kset = set(keys)
+    covered = sorted(j for j, lay in state.layouts.items() if lay and set(lay) <= kset)
+    if covered and set().union(*(state.layouts[j] for j in covered)) == kset \
+            and sum(p.numel() for p in params) == buf.numel():
+        offsets, off = {}, 0
+        for k, p in zip(keys, params):
+            offsets[k] = (off, p.numel())
+            off += p.numel()
+        logger.info("bucket %d holds saved buckets %s: compressing them as saved", index, covered)
+        return [(j, [offsets[k] for k in state.layouts[j]]) for j in covered]
+    # a new layout (DDP rebuilt its buckets): residuals of overlapping layouts are stale
+    for j, lay in list(state.layouts.items()):
+        if j == index or kset & set(lay):
+            del state.layouts[j]
+            state.reset_bucket(j)
+    state.reset_bucket(index)
+    state.layouts[index] = keys
+    return [(index, None)]
+
+
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a gradient bucket over the group with compression and error feedback.
 
-    The first ``state.start_iter`` iterations use plain allreduce (DDP rebuilds its buckets
-    after iteration 0). Afterwards the bucket is divided by the world size, its residual
-    added, compressed, moved with ``state.algorithm``, decoded identically on every rank and
-    written back into ``bucket.buffer()``.
+    The first ``state.start_iter`` iterations use plain allreduce. Afterwards the bucket is
+    divided by the world size, its residual added, compressed, moved with the algorithm
+    :meth:`~comms.state.CompressionState.algorithm_for` picks, decoded identically on every
+    rank and written back into ``bucket.buffer()``.
 
     Args:
         state: a :class:`~comms.state.CompressionState`.
@@ -39,6 +239,10 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     Returns:
         A future whose value is ``bucket.buffer()`` holding the averaged gradient.
 
+    Raises:
+        TypeError: the bucket is not floating point (before any communication).
+        ValueError: the ranks' configurations differ (on every rank, before the data moves).
+
     Example::
 
         >>> state = comms.CompressionState("topk:density=0.01")
@@ -46,41 +250,46 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
 
     .. warning::
         Residuals are per rank and per bucket layout: save ``state.state_dict()`` on every
-        rank to resume bit-exactly.
+        rank to resume bit-exactly. A non-finite gradient turns the whole bucket NaN on every
+        rank (plain allreduce turns only the affected elements NaN).
     """
     buf = bucket.buffer()
     index = bucket.index()
+    if not buf.is_floating_point():
+        raise TypeError(f"commpress: bucket {index} has dtype {buf.dtype}; gradients must be "
+                        "floating point")
     step = state.iter
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         state.iter += 1
     comm = state.comm()
-    world = comm.world_size
-    if world == 1:
-        return completed(buf)
-    if step < state.start_iter or buf.numel() < max(1, state.min_compress_numel):
-        state.dense_calls += 1
-        return dense_allreduce(state, buf)
+    if comm.world_size == 1 or buf.numel() == 0:
+        fut = completed(buf)  # nothing to exchange: the average of one is itself
+    else:
+        _drop_stale(state, step)
+        _check_config(state, index, buf, step)
+        if step < state.start_iter or buf.numel() < state.min_compress_numel:
+            state.dense_calls += 1
+            where = _where(state, "dense allreduce", index, buf.numel(), buf.dtype, step)
+            fut = _guarded(dense_allreduce(state, buf), where)
+        else:
+            plan = _layout_plan(state, bucket, buf, index)
+            if plan == [(index, None)]:
+                fut = _compress_flat(state, buf, index, step)
+            else:
+                subs = []
+                for j, segs in plan:
+                    x = torch.cat([buf[o: o + n] for o, n in segs])
 
-    compressor = state.compressor
-    alg = get_algorithm(state.algorithm)
-    buf.div_(world)
-    if state.error_feedback:
-        state.memory.add_residual_(index, buf)
-    ctx = Context(numel=buf.numel(), dtype=buf.dtype, device=buf.device, step=step,
-                  bucket=index, rank=comm.rank, seed=state.seed)
-    st = state.stats.get(index)
-    if st is None or st.numel != buf.numel():
-        dense = 2 * (world - 1) * buf.numel() * buf.element_size() // world
-        st = state.stats[index] = BucketStats(index, buf.numel(), buf.dtype, alg.name, dense,
-                                              alg.wire_bytes(compressor, buf.numel(), buf.dtype, world))
-    st.calls += 1
-    fut = alg(comm, compressor, buf, ctx, state.store(index))
+                    def scatter(y, segs=segs):
+                        pos = 0
+                        for o, n in segs:
+                            buf[o: o + n].copy_(y[pos: pos + n])
+                            pos += n
 
-    def finish(f):
-        total, own = f.value()
-        if state.error_feedback:
-            state.memory.update_(index, buf, own)
-        buf.copy_(total)
-        return buf
-
-    return fut.then(finish)
+                    subs.append(_compress_flat(state, x, j, step, scatter))
+                fut = torch.futures.collect_all(subs).then(
+                    lambda c: [f.value() for f in c.value()] and buf)
+    if last:
+        _flush_pending(state, step)
+    return fut

@@ -41,13 +41,31 @@ def make_hook(compressor, *, process_group=None, error_feedback: bool | None = N
 def register(ddp_model, compressor, **kwargs) -> CompressionState:
     """Register the compression hook on a DDP model and return its state.
 
+    The state is bound to the model's parameter names (``state.bind``), so its bucket
+    layouts survive a restart (bit-exact resume from ``state.state_dict()``).
+
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
-        ValueError: bad compressor spec or options (before any communication).
+        ValueError: bad compressor spec or options, or the model already has a hook
+            (before any communication; nothing is registered).
+
+    Example::
+
+        >>> state = comms.register(ddp_model, "topk:density=0.01")
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
                         f"got {type(ddp_model).__name__}")
+    if getattr(ddp_model, "_commpress_state", None) is not None:
+        raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
+                         f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
+                         "communication hook per model")
     state, hook = make_hook(compressor, **kwargs)
-    ddp_model.register_comm_hook(state, hook)
+    state.bind(ddp_model)
+    try:
+        ddp_model.register_comm_hook(state, hook)
+    except RuntimeError as exc:  # DDP refuses a second hook of any kind
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
+                         f"{exc}") from exc
+    ddp_model._commpress_state = state
     return state

@@ -1,7 +1,19 @@
-"""``CompressionState``: everything the compression hook keeps between calls."""
+"""``CompressionState``: everything the compression hook keeps between calls.
+
+What is persisted by :meth:`CompressionState.state_dict` (all plain tensors and numbers,
+readable with ``torch.load(weights_only=True)``): the iteration counter, the error-feedback
+residuals, every algorithm's per-bucket store (``state.algo_store``: two-phase owner
+residuals, PowerSGD P/Q, ...), the bucket layouts the residuals belong to, and the
+configuration they were made with. Residuals and stores are **per rank**: save one file per
+rank and load each rank's own file.
+
+Contract for algorithm authors: ``store`` dicts hold tensors, numbers, strings, ``None`` and
+lists/tuples/dicts of those — anything else makes ``state_dict()`` raise ``TypeError``.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -13,11 +25,45 @@ from compressors import Compressor, ErrorFeedback, from_spec
 from .algorithms import ALGORITHMS, get_algorithm
 from .communicator import Communicator, TorchCommunicator
 
-__all__ = ["CompressionState", "BucketStats"]
+__all__ = ["CompressionState", "BucketStats", "CONFIG_FIELDS"]
 
 logger = logging.getLogger(__name__)
 
 _PREFERENCE = ("allreduce", "allgather", "two_phase")
+
+# what every rank must agree on for a bucket, in the order of the cross-rank config check
+CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
+                 "min_compress_numel", "step", "numel", "dtype")
+
+
+def _hash64(value) -> int:
+    """A process-independent signed 64-bit hash (Python's ``hash`` of str is salted per process)."""
+    h = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little", signed=True)
+
+
+def _plain(value, where: str):
+    """Deep copy of ``value`` into what ``torch.load(weights_only=True)`` reads back."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v, f"{where}[{i}]") for i, v in enumerate(value))
+    raise TypeError(f"{where} holds a {type(value).__name__}, which a weights_only checkpoint "
+                    "cannot hold; algorithm stores may keep tensors, numbers, str and containers")
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device) if device is not None else value.clone()
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
 
 
 class BucketStats:
@@ -43,7 +89,9 @@ class CompressionState:
 
     Args:
         compressor: a :class:`compressors.Compressor` or a spec string (``"topk:density=0.01"``).
-        process_group: the group to average over (``None``: WORLD). Not pickled.
+        process_group: the group to average over (``None``: WORLD); a
+            ``torch.distributed.ProcessGroup`` (for a ``DeviceMesh`` pass
+            ``mesh.get_group(dim)``). Not pickled.
         communicator: a :class:`~comms.communicator.Communicator` to use instead of
             ``process_group`` (e.g. :class:`comms.mpi.MPICommunicator`).
         error_feedback: keep per-bucket residuals. ``None`` (default) turns it on for biased
@@ -51,33 +99,66 @@ class CompressionState:
             feedback needs a contractive compressor, and low-bit stochastic quantization with
             max-abs scales is not one — its residual grows without bound.
         start_iter: iterations of plain allreduce before compressing. DDP rebuilds its
-            buckets after iteration 0, so compression starts at iteration >= 1; 2 is safe.
+            buckets after iteration 0; residuals follow the layout (see the hook), so any
+            value >= 0 is correct.
         algorithm: aggregation algorithm name, or ``None`` for the compressor's cheapest
-            supported family (allreduce, then allgather, then two_phase).
+            supported family (allreduce, then allgather, then two_phase). Per-bucket choice
+            goes through :meth:`algorithm_for`.
         seed: shared seed of the hash RNG streams (must match on all ranks).
         min_compress_numel: buckets smaller than this go dense (latency dominates).
+
+    Raises:
+        ValueError / TypeError: any bad option, naming it — before any communication.
 
     Example::
 
         >>> state = CompressionState("qsgd:bits=4")
         >>> ddp_model.register_comm_hook(state, compression_hook)
+
+    .. warning::
+        Residuals and algorithm stores are per rank: checkpoint ``state_dict()`` on every
+        rank, next to that rank's model and optimizer state.
     """
 
     __slots__ = (
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
         "iter", "algorithm", "seed", "min_compress_numel", "stats", "algo_store",
-        "dense_calls", "__weakref__",
+        "dense_calls", "layouts", "param_names", "nonfinite_buckets", "_checked", "_pending",
+        "_warned_nonfinite", "__weakref__",
     )
+
+    _TRANSIENT = ("process_group", "communicator", "_checked", "_pending", "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
                  min_compress_numel: int = 0):
+        if not isinstance(compressor, (str, Compressor)):
+            raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
+                            f"got {compressor!r}")
         self.compressor = from_spec(compressor)
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int):
+            raise TypeError(f"start_iter must be an int, got {start_iter!r}")
+        if start_iter < 0:
+            raise ValueError(f"start_iter must be >= 0, got {start_iter!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int):
+            raise TypeError(f"min_compress_numel must be an int, got {min_compress_numel!r}")
+        if min_compress_numel < 0:
+            raise ValueError(f"min_compress_numel must be >= 0, got {min_compress_numel!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            hint = " (for a DeviceMesh pass mesh.get_group(dim))" if "Mesh" in type(process_group).__name__ else ""
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(process_group).__name__}{hint}")
+        if communicator is not None and not isinstance(communicator, Communicator):
+            raise TypeError(f"communicator must be a comms.Communicator or None, got "
+                            f"{type(communicator).__name__}")
+        if communicator is not None and process_group is not None:
+            raise ValueError("give either process_group or communicator, not both "
+                             f"(got {process_group!r} and {communicator!r})")
+        if algorithm is not None and not isinstance(algorithm, str):
+            raise TypeError(f"algorithm must be a str or None, got {algorithm!r}")
         if algorithm is None:
             algorithm = next((a for a in _PREFERENCE if self.compressor.supports(a) and a in ALGORITHMS),
                              None)
@@ -89,22 +170,58 @@ class CompressionState:
             raise ValueError(f"algorithm {algorithm!r} needs the {alg.family!r} family, which "
                              f"{self.compressor.spec()!r} does not support (it supports "
                              f"{list(self.compressor.families)})")
-        self.process_group = process_group
-        self.communicator = communicator
         if error_feedback is None:
             error_feedback = not self.compressor.unbiased
         elif not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got {error_feedback!r}")
+        self.process_group = process_group
+        self.communicator = communicator
         self.error_feedback = error_feedback
         self.memory = ErrorFeedback()
         self.start_iter = start_iter
         self.iter = 0
         self.algorithm = algorithm
         self.seed = seed
-        self.min_compress_numel = int(min_compress_numel)
+        self.min_compress_numel = min_compress_numel
         self.stats: dict[int, BucketStats] = {}
         self.algo_store: dict[int, dict] = {}
         self.dense_calls = 0
+        # bucket index -> tuple of parameter keys, in bucket order, of the layout its residual
+        # and store belong to (persisted: resume maps DDP's first-iteration buckets onto it)
+        self.layouts: dict[int, tuple] = {}
+        self.param_names: dict[int, str] = {}  # data_ptr -> name, filled by bind()
+        self.nonfinite_buckets = 0
+        self._warned_nonfinite = False
+        self._checked: set = set()   # (bucket, numel, dtype) whose config passed the check
+        self._pending: list = []     # this step's compressed buckets awaiting the non-finite flag
+
+    # -- the one place that chooses algorithms -----------------------------------------
+    def algorithm_for(self, bucket_index: int, numel: int, dtype: torch.dtype) -> str:
+        """The algorithm for one bucket. A planner (``algorithm="auto"``) overrides this."""
+        return self.algorithm
+
+    def config_values(self, bucket_index: int, numel: int, dtype: torch.dtype, step: int) -> tuple:
+        """The values of :data:`CONFIG_FIELDS` for one bucket (what all ranks must agree on)."""
+        return (self.compressor.spec(), self.algorithm_for(bucket_index, numel, dtype), self.seed,
+                self.start_iter, self.error_feedback, self.min_compress_numel, step, numel,
+                str(dtype))
+
+    def config_hash(self, bucket_index: int, numel: int, dtype: torch.dtype, step: int) -> list[int]:
+        """One process-independent int64 per config field."""
+        return [_hash64(v) for v in self.config_values(bucket_index, numel, dtype, step)]
+
+    # -- parameters and layouts --------------------------------------------------------
+    def bind(self, model: torch.nn.Module) -> "CompressionState":
+        """Name the model's parameters so bucket layouts survive a restart (``register`` calls it)."""
+        module = getattr(model, "module", model)
+        self.param_names = {p.data_ptr(): name for name, p in module.named_parameters()}
+        return self
+
+    def param_key(self, p: torch.Tensor):
+        name = self.param_names.get(p.data_ptr())
+        if name is not None:
+            return name
+        return f"{tuple(p.shape)}@{p.data_ptr()}"  # unnamed: valid in this process only
 
     # -- communication ------------------------------------------------------------------
     def comm(self) -> Communicator:
@@ -114,6 +231,11 @@ class CompressionState:
 
     def store(self, bucket: int) -> dict:
         return self.algo_store.setdefault(bucket, {})
+
+    def reset_bucket(self, bucket: int) -> None:
+        """Forget a bucket's residual and algorithm store (layout change, non-finite values)."""
+        self.memory.reset(bucket)
+        self.algo_store.pop(bucket, None)
 
     # -- reporting -----------------------------------------------------------------------
     def wire_bytes_per_step(self) -> int:
@@ -131,44 +253,68 @@ class CompressionState:
             rows.append(f"{b:>6} {s.numel:>11} {str(s.dtype).replace('torch.', ''):>9} "
                         f"{s.algorithm:>10} {s.dense_bytes:>12} {s.wire_bytes:>12} {s.ratio:>7.1f}")
         rows.append(f"compressor={self.compressor.spec()} iter={self.iter} "
-                    f"wire/step={self.wire_bytes_per_step()} dense/step={self.dense_bytes_per_step()}")
+                    f"wire/step={self.wire_bytes_per_step()} dense/step={self.dense_bytes_per_step()}"
+                    + (f" nonfinite_buckets={self.nonfinite_buckets}" if self.nonfinite_buckets else ""))
         return "\n".join(rows)
 
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and numbers (``torch.load(weights_only=True)`` can read it).
 
+        Holds the iteration counter, residuals, every algorithm store and the bucket layouts.
         Residuals are per rank: save one file per rank.
+
+        Example::
+
+            >>> torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+            ...             "comm": state.state_dict()}, f"ckpt.rank{rank}.pt")
         """
-        store = {int(b): {k: v.detach().cpu().clone() for k, v in d.items() if isinstance(v, torch.Tensor)}
-                 for b, d in self.algo_store.items()}
         return {
             "iter": self.iter,
             "seed": self.seed,
+            "start_iter": self.start_iter,
             "compressor": self.compressor.spec(),
             "algorithm": self.algorithm,
+            "error_feedback": self.error_feedback,
             "memory": self.memory.state_dict(),
-            "algo_store": store,
+            "algo_store": {int(b): _plain(d, f"algo_store[{b}]") for b, d in self.algo_store.items()},
+            "layouts": {int(b): [str(k) for k in lay] for b, lay in self.layouts.items()},
+            "nonfinite_buckets": self.nonfinite_buckets,
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
+        """Restore :meth:`state_dict` (this rank's own file). Validates before changing anything.
+
+        Raises:
+            ValueError: saved with a different compressor or algorithm.
+        """
+        if not isinstance(sd, dict) or "iter" not in sd:
+            raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
+                            f"{type(sd).__name__}")
         if sd.get("compressor", self.compressor.spec()) != self.compressor.spec():
             raise ValueError(f"state was saved with compressor {sd['compressor']!r}, "
                              f"this hook uses {self.compressor.spec()!r}")
+        if sd.get("algorithm", self.algorithm) != self.algorithm:
+            raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
+                             f"this hook uses {self.algorithm!r}")
         self.iter = int(sd["iter"])
         self.seed = int(sd.get("seed", self.seed))
         self.memory.load_state_dict(sd.get("memory", {}), device=device)
-        self.algo_store = {int(b): {k: v.to(device) if device is not None else v for k, v in d.items()}
-                           for b, d in sd.get("algo_store", {}).items()}
+        self.algo_store = {int(b): _to_device(d, device) for b, d in sd.get("algo_store", {}).items()}
+        self.layouts = {int(b): tuple(lay) for b, lay in sd.get("layouts", {}).items()}
+        self.nonfinite_buckets = int(sd.get("nonfinite_buckets", 0))
+        self._checked = set()
+        self._pending = []
 
     def __getstate__(self):
         # like torch's PowerSGDState: process groups and communicators do not pickle
-        return {k: getattr(self, k) for k in self.__slots__
-                if k not in ("process_group", "communicator", "__weakref__")}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in self._TRANSIENT}
 
     def __setstate__(self, st):
         self.process_group = None
         self.communicator = None
+        self._checked = set()
+        self._pending = []
         for k, v in st.items():
             setattr(self, k, v)
         logger.warning("CompressionState unpickled without a process group: the default group is used")
