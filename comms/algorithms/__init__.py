@@ -37,3 +37,10 @@ def get_algorithm(name: str):
 
 for _fn in (allreduce, allgather, two_phase, shared_scale):
     register_algorithm(_fn)
+
+# hierarchical forms (hier_allreduce, ...) of the flat algorithms registered above; the auto
+# planner also registers any added later (comms.algorithms.hierarchical.register_missing)
+from .hierarchical import hierarchical_variants  # noqa: E402
+
+for _h in hierarchical_variants(ALGORITHMS):
+    register_algorithm(_h)

@@ -1,0 +1,118 @@
+"""``hier_<family>``: two-tier aggregation — compression only on the slow, inter-node links.
+
+1. intra-node reduce-scatter in full precision (all-to-all + local sum): local rank ``i`` of each node holds shard
+   ``i`` of its node's sum ``S_node`` (fast links, no compression error);
+2. the inner algorithm (``allreduce``, ``allgather``, ``two_phase``, ... any registered one)
+   aggregates the shard across nodes over the inter-node group of local index ``i``, with
+   compression; every rank of that group gets the same bits;
+3. intra-node allgather of the aggregated shards: every rank of every node ends with the
+   same buffer, so results are replica-identical.
+
+Error feedback. The only compression error is made on ``S_node[i]`` by rank ``(node, i)``:
+``e = S_node[i] - D(C(S_node[i]))``. It belongs to the node, not to this rank's ``x``, and it
+must be re-injected exactly once. The algorithm therefore returns
+``own = x`` everywhere except on its shard, where ``own = x - e``; the hook's residual
+``x - own`` is then ``e`` on this rank's shard and 0 elsewhere, and next step the node's
+reduce-scatter adds ``e`` back into ``S_node[i]``. Summed over all ranks, ``own`` equals the
+aggregate and the residuals equal the total compression error (up to rounding: ``x - (x - e)``
+is ``e`` to within an ulp of ``x``).
+
+The communicator must be a :class:`comms.topology.TieredCommunicator` (``.intra`` and
+``.inter``); the auto planner supplies one.
+
+Example::
+
+    >>> topo = comms.topology.Topology.discover()
+    >>> comm = topo.communicator()
+    >>> total, own = ALGORITHMS["hier_allreduce"](comm, compressors.from_spec("fp16"), x, ctx, {}).wait()
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..futures import chain, completed
+
+__all__ = ["Hierarchical", "hierarchical_variants", "register_missing"]
+
+logger = logging.getLogger(__name__)
+
+
+class Hierarchical:
+    """The hierarchical form of the registered algorithm ``inner`` (looked up at call time).
+
+    Args:
+        inner: name of the flat algorithm used across nodes.
+        family: the compressor family it needs (the inner algorithm's).
+        wire_bytes_inner: the inner algorithm's ``wire_bytes``.
+    """
+
+    def __init__(self, inner: str, family: str, wire_bytes_inner):
+        self.inner = inner
+        self.name = f"hier_{inner}"
+        self.family = family
+        self.hierarchical = True
+        self._wire_inner = wire_bytes_inner
+
+    def wire_bytes(self, compressor, numel, dtype, world, local_size: int = 1) -> int:
+        """Bytes each rank sends on the slow (inter-node) tier; ``local_size=1`` means flat."""
+        nodes = max(1, world // max(1, local_size))
+        return self._wire_inner(compressor, -(-numel // local_size), dtype, nodes)
+
+    def __call__(self, comm, compressor, x, ctx, store):
+        intra, inter = getattr(comm, "intra", None), getattr(comm, "inter", None)
+        if intra is None or inter is None:
+            raise ValueError(f"algorithm {self.name!r} needs a TieredCommunicator (with .intra and "
+                             f".inter), got {comm!r}; use algorithm='auto' or Topology.communicator()")
+        from . import get_algorithm  # the registry imports this module
+
+        inner = get_algorithm(self.inner)
+        n, local, local_size = x.numel(), intra.rank, intra.world_size
+        shard = -(-n // local_size)
+        if shard * local_size == n:
+            xp = x  # all_to_all reads its input and writes a fresh output
+        else:
+            xp = torch.zeros(shard * local_size, dtype=x.dtype, device=x.device)
+            xp[:n].copy_(x)
+        lo, hi = local * shard, min(n, (local + 1) * shard)
+        sctx = ctx.with_(numel=shard, rank=inter.rank)
+
+        def across_nodes(node_shard):
+            def gather(res):
+                shard_sum, shard_own = res
+
+                def done(fut):
+                    total = fut.value()[:n]
+                    own = x.clone()
+                    if hi > lo:  # own = x - e on this rank's shard (see module docstring)
+                        err = node_shard[: hi - lo] - shard_own[: hi - lo].to(x.dtype)
+                        own[lo:hi].sub_(err)
+                    return total, own
+
+                return intra.all_gather(shard_sum.contiguous()).then(done)
+
+            return chain(inner(inter, compressor, node_shard, sctx, store), gather)
+
+        # reduce-scatter as all_to_all + a local sum: gloo's reduce_scatter has no get_future()
+        # (torch 2.13), and the owner summing its L chunks in local-rank order is deterministic
+        def node_sum(chunks):
+            return completed(chunks.view(local_size, shard).sum(0))
+
+        return chain(chain(intra.all_to_all(xp), node_sum), across_nodes)
+
+    def __repr__(self) -> str:
+        return f"Hierarchical({self.inner!r})"
+
+
+def hierarchical_variants(algorithms: dict) -> list[Hierarchical]:
+    """One :class:`Hierarchical` per flat algorithm in ``algorithms`` (not already hierarchical)."""
+    return [Hierarchical(name, alg.family, alg.wire_bytes) for name, alg in list(algorithms.items())
+            if not getattr(alg, "hierarchical", False)]
+
+
+def register_missing(algorithms: dict) -> None:
+    """Add ``hier_<name>`` for every flat algorithm registered after import time."""
+    for h in hierarchical_variants(algorithms):
+        algorithms.setdefault(h.name, h)
