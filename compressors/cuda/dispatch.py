@@ -1,0 +1,229 @@
+"""Route CUDA tensors to the ``csrc/`` kernels; every function returns ``None`` to mean
+"use the torch path" (no CuPy, no CUDA, a CPU tensor, an unsupported dtype or layout).
+
+The compressors call these at the top of their methods::
+
+    if x.is_cuda:
+        out = dispatch.qsgd_compress(self, x, ctx)
+        if out is not None:
+            return out
+
+Results are bit-identical to the torch reference of the same compressor (see each function).
+
+.. warning::
+    Division semantics. The documented formats use true fp32 division (``w = fl(fl(2 s) / M)``)
+    and the kernels do exactly that, as torch does on CPU. torch on CUDA computes
+    ``tensor / python_float`` as a multiplication by the reciprocal (up to 1 ulp apart), so
+    ``QSGD.decompress`` run through torch ops on a CUDA tensor can differ from both. Payloads
+    (what goes on the wire) are unaffected; decoded values are. A job must therefore not mix
+    ranks that have the kernels with ranks that do not (same CuPy availability everywhere),
+    or the reference should divide by a tensor (``torch.full_like(s, M)``) so both agree.
+    The shared-scale kernels take ``L / s`` and ``s / L`` computed by the caller with the
+    reference's torch ops, so they match torch on the same device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ..hashrng import lowbias32_int, stream_key
+from . import kernels, loader
+
+__all__ = [
+    "enabled_for", "qsgd_compress", "qsgd_decompress", "qsgd_decompress_add_", "sign_compress",
+    "sign_decompress", "sign_decompress_add_", "topk_compress", "topk_decompress_add_",
+    "shared_scale_quantize", "shared_scale_decode", "two_phase_qsgd_owner",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def enabled_for(*tensors: torch.Tensor) -> bool:
+    """All tensors on one CUDA device where the kernels are available, and contiguous."""
+    if not tensors or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        return False
+    dev = tensors[0].device
+    if any(t.device != dev or not t.is_contiguous() for t in tensors):
+        return False
+    return loader.available(dev)
+
+
+def _float_ok(*tensors) -> bool:
+    return all(t.dtype in kernels.DTYPE_CODE for t in tensors)
+
+
+def _key(ctx) -> int:
+    return stream_key(ctx.seed, ctx.step, ctx.bucket, ctx.rank)
+
+
+# -- QSGD ------------------------------------------------------------------------------------
+def qsgd_compress(compressor, x, ctx):
+    """``QSGD.compress``: ``[scales, packed]`` with the same bits, or None."""
+    if not (enabled_for(x) and _float_ok(x)) or x.numel() == 0:
+        return None
+    return kernels.qsgd_compress(x.reshape(-1), compressor.bits, compressor.chunk, _key(ctx))
+
+
+def _qsgd_payload_ok(payload, ctx, compressor) -> bool:
+    if len(payload) != 2 or not enabled_for(*payload):
+        return False
+    s, packed = payload
+    n = ctx.numel
+    return (s.dtype == torch.float32 and packed.dtype == torch.uint8
+            and s.numel() == -(-n // compressor.chunk)
+            and packed.numel() >= (n * compressor.bits + 7) // 8)
+
+
+def qsgd_decompress(compressor, payload, ctx):
+    """``QSGD.decompress`` (true-division decode step, see the module warning), or None."""
+    if ctx.dtype not in kernels.DTYPE_CODE or not _qsgd_payload_ok(payload, ctx, compressor):
+        return None
+    s, packed = payload
+    return kernels.qsgd_decompress(s, packed, compressor.bits, compressor.chunk, ctx.numel, ctx.dtype)
+
+
+def qsgd_decompress_add_(compressor, payload, ctx, acc):
+    """``acc.add_(QSGD.decompress(payload, ctx))`` fused, for fp32 ``ctx.dtype`` and ``acc``."""
+    if (ctx.dtype != torch.float32 or acc.dtype != torch.float32 or acc.numel() != ctx.numel
+            or not _qsgd_payload_ok(payload, ctx, compressor) or not enabled_for(acc, payload[0])):
+        return None
+    s, packed = payload
+    return kernels.qsgd_decompress(s, packed, compressor.bits, compressor.chunk, ctx.numel,
+                                   torch.float32, acc=acc)
+
+
+# -- ScaledSign --------------------------------------------------------------------------------
+def sign_compress(compressor, x, ctx):
+    """``ScaledSign.compress``: scales by the compressor's own torch reduction (torch fixes no
+    summation order, so only the same op on the same device gives the same bits), sign bits
+    packed by one kernel pass. None when unavailable."""
+    scales_of = getattr(compressor, "_scales", None)
+    if scales_of is None or not (enabled_for(x) and _float_ok(x)) or x.numel() == 0:
+        return None
+    xf = x.reshape(-1)
+    return [scales_of(xf.float()), kernels.sign_pack(xf)]
+
+
+def _sign_payload_ok(payload, ctx, compressor) -> bool:
+    if len(payload) != 2 or not enabled_for(*payload):
+        return False
+    s, packed = payload
+    return (s.dtype == torch.float32 and packed.dtype == torch.uint8
+            and s.numel() == -(-ctx.numel // compressor.chunk) and packed.numel() >= (ctx.numel + 7) // 8)
+
+
+def sign_decompress(compressor, payload, ctx):
+    """``ScaledSign.decompress`` (exactly ``+s``/``-s``), or None."""
+    if ctx.dtype not in kernels.DTYPE_CODE or not _sign_payload_ok(payload, ctx, compressor):
+        return None
+    s, packed = payload
+    return kernels.sign_decompress(s, packed, compressor.chunk, ctx.numel, ctx.dtype)
+
+
+def sign_decompress_add_(compressor, payload, ctx, acc):
+    """``acc.add_(ScaledSign.decompress(payload, ctx))`` fused, fp32 only; or None."""
+    if (ctx.dtype != torch.float32 or acc.dtype != torch.float32 or acc.numel() != ctx.numel
+            or not _sign_payload_ok(payload, ctx, compressor) or not enabled_for(acc, payload[0])):
+        return None
+    s, packed = payload
+    return kernels.sign_decompress(s, packed, compressor.chunk, ctx.numel, torch.float32, acc=acc)
+
+
+# -- TopK --------------------------------------------------------------------------------------
+def topk_compress(compressor, x, ctx):
+    """``TopK.compress`` with ``exact=False``: the sampled threshold as in the reference, the
+    candidate compaction in one kernel pass, then the reference's own small torch ops on the
+    candidates (sorted into ``torch.nonzero`` order first), so the payload has the same bits
+    as the reference on the same device. ``exact=True`` (and ``k*8 >= n``) return None.
+
+    .. warning::
+        One host synchronisation (reading the candidate count), as in the reference, whose
+        ``torch.nonzero`` synchronises too.
+    """
+    n = x.numel()
+    k = compressor.k_for(n)
+    if compressor.exact or k == 0 or k * 8 >= n or not (enabled_for(x) and _float_ok(x)):
+        return None
+    xf = x.reshape(-1)
+    s = max(min(n, 2048), math.ceil(compressor.sample * n))
+    stride = max(1, n // s)
+    offset = lowbias32_int(_key(ctx)) % stride
+    sample = xf[offset::stride].abs()  # == x.abs()[offset::stride] without the full |x| pass
+    ks = min(sample.numel(), max(1, math.ceil(1.1 * k * sample.numel() / n)))
+    thr = torch.topk(sample, ks, sorted=False).values.min()
+    cap = min(n, max(2 * k, 4096))
+    slots, count = kernels.topk_compact(xf, thr, cap)
+    c = int(count.item())  # the one host sync (the reference's torch.nonzero has it too)
+    if c > cap:  # the sample badly underestimated the threshold: rerun with room for all
+        slots, count = kernels.topk_compact(xf, thr, c)
+    cand = torch.sort(slots[:c]).values.long()  # ascending, as torch.nonzero returns them
+    if c > k:
+        cand = cand[torch.topk(xf[cand].abs(), k, sorted=False).indices]
+    idx = cand
+    vals = xf[idx]
+    if idx.numel() < k:  # same padding as the reference: index 0, value 0
+        pad = k - idx.numel()
+        idx = torch.cat([idx, idx.new_zeros(pad)])
+        vals = torch.cat([vals, vals.new_zeros(pad)])
+    return [vals, idx.to(torch.int32)]
+
+
+def topk_decompress_add_(compressor, payload, ctx, acc):
+    """``acc.index_add_(0, idx, vals)`` by atomics for fp32 ``acc`` (a payload's indices are
+    distinct except the zero-valued pads, so the order of the adds does not change bits)."""
+    if len(payload) != 2 or acc.dtype != torch.float32 or not enabled_for(acc, *payload):
+        return None
+    vals, idx = payload
+    if idx.dtype != torch.int32 or not _float_ok(vals) or vals.numel() != idx.numel():
+        return None
+    return kernels.scatter_add_(acc, idx, vals)
+
+
+# -- shared-scale integer quantization (comms/algorithms/shared_scale.py) ----------------------
+def shared_scale_quantize(x, chunk, scales, levels, wire_dtype, key, own_dtype):
+    """Steps 2 of ``shared_scale``: ``(q, own, step)`` with ``inv = L / s`` and ``step = s / L``
+    computed by the reference's torch ops on this device; or None.
+
+    ``key`` is the reference's stream key (``stream_key(seed, step, bucket ^ salt, rank)``).
+    """
+    if wire_dtype not in (torch.int8, torch.int32) or not (enabled_for(x, scales) and _float_ok(x)):
+        return None
+    if own_dtype is not None and own_dtype not in kernels.DTYPE_CODE:
+        return None
+    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))
+    step = scales / levels
+    q, own = kernels.shared_scale_encode(x.reshape(-1), chunk, inv, step, levels, key, wire_dtype, own_dtype)
+    return q, own, step
+
+
+def shared_scale_decode(summed, chunk, step, dtype):
+    """Step 3 of ``shared_scale``: ``(float(sum) * step).to(dtype)``; or None."""
+    if summed.dtype not in (torch.int8, torch.int32) or dtype not in kernels.DTYPE_CODE:
+        return None
+    if not enabled_for(summed, step):
+        return None
+    return kernels.shared_scale_decode(summed.reshape(-1), chunk, step, dtype)
+
+
+# -- two-phase owner step ---------------------------------------------------------------------
+def two_phase_qsgd_owner(compressor, recv, world, m, ctx2, residual_in=None, residual_out=None):
+    """Fused owner step of ``two_phase`` for QSGD payloads in fp32: decode the ``world`` wire
+    payloads of ``recv`` in rank order, sum (+ ``residual_in``), re-quantize with ``ctx2``'s
+    stream; writes ``residual_out`` when given. Returns the owner payload or None."""
+    if getattr(compressor, "name", None) != "qsgd" or ctx2.dtype != torch.float32:
+        return None
+    bits, chunk = compressor.bits, compressor.chunk
+    nch = -(-m // chunk)
+    seg = 4 * nch + (m * bits + 7) // 8
+    if recv.dtype != torch.uint8 or recv.numel() != world * seg or (chunk * bits) % 32:
+        return None
+    if kernels.two_phase_shared_mem(chunk, world) > kernels._SHARED_MEM_LIMIT:
+        return None
+    extra = [t for t in (residual_in, residual_out) if t is not None]
+    if any(t.dtype != torch.float32 or t.numel() != m for t in extra) or not enabled_for(recv, *extra):
+        return None
+    return kernels.two_phase_qsgd_owner(recv, world, m, bits, chunk, stream_key(
+        ctx2.seed, ctx2.step, ctx2.bucket, ctx2.rank), residual_in, residual_out)
