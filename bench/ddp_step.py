@@ -1,0 +1,307 @@
+"""DDP step time of every gradient hook, in one run: dense allreduce, PyTorch's
+``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1 and 4), and commpress's hooks.
+
+One process group; for each hook a fresh DDP wrapper of an identically initialised model is
+trained on the same batches; the median step time (after warm-up steps that cover the hooks'
+``start_iter``), the bytes each rank sends per step and the ratios to dense are printed.
+
+    python bench/ddp_step.py -n 2                                 # self-spawn 2 gloo ranks
+    python bench/ddp_step.py -n 2 --netsim 1gbit                  # root: shaped links (netsim)
+    torchrun --nproc-per-node 2 bench/ddp_step.py                 # env init
+    mpiexec -n 2 python bench/ddp_step.py                         # env init (MPI variables)
+    python bench/ddp_step.py --model conv --hooks dense,qsgd8     # other model, some hooks
+
+Models: ``mlp`` (6 x Linear(2048): 25.2M parameters), ``conv`` (a small conv net on 32x32
+images), ``transformer`` (a small encoder language model). Batch 16 per rank by default.
+
+.. warning::
+    torch's ``powerSGD_hook`` fails on gloo when DDP makes more than one bucket, so the
+    default ``--bucket-cap-mb`` is large enough for the whole model to fit one bucket (for
+    every hook, so that all of them see the same buckets). Smaller caps skip torch PowerSGD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (puts the repository root on sys.path)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+__all__ = ["MODELS", "build_model", "make_batches", "measure", "main"]
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ["hook", "algorithm", "step_ms", "p90_ms", "speedup", "wire_MB", "wire_ratio",
+           "codec_ms", "loss"]
+
+
+# -- models ---------------------------------------------------------------------------------
+def _mlp(width: int = 2048, depth: int = 6) -> nn.Module:
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers.append(nn.Linear(width, width))
+        if i < depth - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def _conv(width: int = 64, depth: int = 3) -> nn.Module:
+    layers: list[nn.Module] = []
+    c_in = 3
+    for i in range(depth):
+        c = width * 2 ** i
+        layers += [nn.Conv2d(c_in, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        c_in = c
+    side = 32 // 2 ** depth
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(c_in * side * side, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+class TinyLM(nn.Module):
+    """A small pre-norm transformer encoder with a causal mask over byte tokens."""
+
+    def __init__(self, width: int = 256, depth: int = 4, vocab: int = 256, seq: int = 64,
+                 heads: int = 4):
+        super().__init__()
+        self.seq = seq
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.zeros(seq, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq),
+                             persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+MODELS = {"mlp": _mlp, "conv": _conv, "transformer": TinyLM}
+
+
+def build_model(name: str, width: int | None, depth: int | None, seed: int = 0) -> nn.Module:
+    """The same initial weights on every rank and for every hook (seeded local generator)."""
+    kw = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
+    torch.manual_seed(seed)  # nn.Module initialisers read the global RNG; reset it per build
+    return MODELS[name](**kw)
+
+
+def make_batches(name: str, model: nn.Module, batch: int, rank: int, count: int = 4, seed: int = 0):
+    """``count`` fixed (input, target) batches for this rank; reused cyclically by every hook."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    out = []
+    for _ in range(count):
+        if name == "mlp":
+            width = model[0].in_features
+            x = torch.randn(batch, width, generator=g)
+            y = torch.randint(0, model[-1].out_features, (batch,), generator=g)
+        elif name == "conv":
+            x = torch.randn(batch, 3, 32, 32, generator=g)
+            y = torch.randint(0, 10, (batch,), generator=g)
+        else:
+            toks = torch.randint(0, model.head.out_features, (batch, model.seq + 1), generator=g)
+            x, y = toks[:, :-1], toks[:, 1:]
+        out.append((x, y))
+    return out
+
+
+def _loss(out, y):
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+# -- measuring ------------------------------------------------------------------------------
+def _codec_ms(cfg, numel: int, reps: int = 3) -> float | None:
+    """Median ms of compress + decompress of one ``numel`` bucket (None where not separable)."""
+    if cfg.kind != "ours":
+        return None
+    import compressors
+
+    try:
+        comp = compressors.from_spec(cfg.spec)
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3
+        ctx = compressors.Context(numel=numel, dtype=x.dtype, device=x.device, step=5, bucket=0,
+                                  rank=dist.get_rank(), seed=0)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            comp.decompress(comp.compress(x, ctx), ctx)
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts)
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
+    """Train ``cfg`` for warm-up + measured steps; the step times are the max over ranks."""
+    model = build_model(args.model, args.width, args.depth, args.seed)
+    batches = make_batches(args.model, model, args.batch, rank, seed=args.seed)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    state = _common.attach_hook(ddp, cfg, start_iter=args.start_iter)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    warmup = max(args.warmup, args.start_iter + 2)  # the first compressed steps allocate buffers
+    times = []
+    loss = torch.zeros(())
+    prof = None
+    for i in range(warmup + args.steps):
+        x, y = batches[i % len(batches)]
+        dist.barrier()
+        if profile and i == warmup:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = _loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            if rank == 0:
+                print(f"# profile of one step of {cfg.name} (rank 0, self CPU time):")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+            prof = None
+        if i >= warmup:
+            times.append(dt)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    params = [p for p in model.parameters() if p.requires_grad]
+    wire = _common.config_wire_bytes(cfg, state, params, world)
+    numel = sum(p.numel() for p in params)
+    ts = sorted(t.tolist())
+    row = {"hook": cfg.name, "algorithm": cfg.algorithm or cfg.kind,
+           "step_ms": 1e3 * statistics.median(ts),
+           "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
+           "wire_bytes": wire, "wire_MB": wire / 1e6 if wire else None,
+           "loss": float(loss.detach())}
+    if args.codec:
+        row["codec_ms"] = _codec_ms(cfg, numel)
+    del ddp, opt, state
+    return row
+
+
+def _one_bucket_mb(args) -> float:
+    m = build_model(args.model, args.width, args.depth, args.seed)
+    return sum(p.numel() * p.element_size() for p in m.parameters()) / 2 ** 20
+
+
+def rank_main(rank: int, world: int, args) -> list[dict] | None:
+    configs, skipped = _common.hook_configs()
+    configs = _common.filter_configs(configs, args.hooks)
+    model_mb = _one_bucket_mb(args)
+    if args.bucket_cap_mb is None:
+        args.bucket_cap_mb = math.ceil(model_mb * 1.1) + 1
+    if args.bucket_cap_mb < model_mb:
+        for c in [c for c in configs if c.kind == "torch-powersgd"]:
+            skipped.append((c.name, f"torch powerSGD_hook fails on gloo with more than one bucket "
+                                    f"(bucket_cap_mb={args.bucket_cap_mb} < model {model_mb:.0f} MB)"))
+        configs = [c for c in configs if c.kind != "torch-powersgd"]
+    numel = sum(p.numel() for p in build_model(args.model, args.width, args.depth).parameters())
+    if rank == 0:
+        print(f"# ddp_step: model={args.model} params={numel} ({model_mb:.1f} MB fp32) world={world} "
+              f"batch={args.batch}/rank bucket_cap_mb={args.bucket_cap_mb} warmup="
+              f"{max(args.warmup, args.start_iter + 2)} steps={args.steps} threads/rank="
+              f"{torch.get_num_threads()} link={args.link}", flush=True)
+        for what, why in skipped:
+            print(f"# skipped {what}: {why}", flush=True)
+    rows = []
+    it = _common.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
+    for cfg in it:
+        rows.append(measure(cfg, args, rank, world, profile=(args.profile == cfg.name)))
+    dense = next(r for r in rows if r["hook"] == "dense")
+    for r in rows:
+        r["speedup"] = dense["step_ms"] / r["step_ms"]
+        r["wire_ratio"] = dense["wire_bytes"] / r["wire_bytes"] if r["wire_bytes"] else None
+    if rank != 0:
+        return None
+    cols = COLUMNS if args.codec else [c for c in COLUMNS if c != "codec_ms"]
+    print(_common.format_table(rows, cols), flush=True)
+    meta = {"model": args.model, "params": numel, "world": world, "batch": args.batch,
+            "bucket_cap_mb": args.bucket_cap_mb, "link": args.link, "steps": args.steps,
+            "skipped": skipped, "machine": _common.machine_facts(), "command": args.command}
+    if args.json:
+        _common.write_text(args.json, json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if args.out:
+        _common.write_csv(args.out + ".csv", rows, cols + ["wire_bytes"])
+        md = [f"# DDP step time: {args.model}, {world} ranks, link {args.link}", "",
+              "```", args.command, "```", "",
+              f"Machine: {meta['machine']}. Model {numel} parameters, batch {args.batch} per rank, "
+              f"bucket_cap_mb={args.bucket_cap_mb} (one bucket: torch's powerSGD_hook fails on gloo "
+              f"with more), median of {args.steps} steps after warm-up; step time is the max over "
+              "ranks; wire bytes are what each rank sends per step (ring allreduce counts "
+              "2(n-1)/n of the buffer).", ""]
+        md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
+        md.append(_common.format_table(rows, cols, markdown=True))
+        _common.write_text(args.out + ".md", "\n".join(md) + "\n")
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common.add_launch_args(p)
+    p.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    p.add_argument("--width", type=int, default=None, help="model width (mlp 2048, conv 64, transformer 256)")
+    p.add_argument("--depth", type=int, default=None, help="layers (mlp 6, conv 3, transformer 4)")
+    p.add_argument("--batch", type=int, default=16, help="samples per rank")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per hook")
+    p.add_argument("--warmup", type=int, default=4, help="warm-up steps (at least start_iter + 2)")
+    p.add_argument("--start-iter", type=int, default=2, help="dense iterations before compressing")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP bucket cap (default: the whole model in one bucket)")
+    p.add_argument("--hooks", default=None,
+                   help="comma-separated names (or substrings) of hooks to run; dense always runs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-codec", dest="codec", action="store_false",
+                   help="skip the standalone compress+decompress timing column")
+    p.add_argument("--profile", default=None, metavar="HOOK",
+                   help="print a torch.profiler table of one measured step of this hook")
+    p.add_argument("--out", default=None,
+                   help="write OUT.md and OUT.csv (e.g. bench/results/ddp_step_mlp_1gbit)")
+    p.add_argument("--json", default=None, help="write the rows as JSON (used by sweep.py)")
+    p.add_argument("--link", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--list", action="store_true", help="list the hook configurations and exit")
+    return p
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.list:
+        configs, skipped = _common.hook_configs()
+        for c in configs:
+            print(f"{c.name:32} {c.kind:15} {c.spec or ''} {c.algorithm or ''}")
+        for what, why in skipped:
+            print(f"# skipped {what}: {why}")
+        return None
+    if args.link is None:
+        args.link = args.netsim or "unshaped"
+        argv = [*argv, "--link", args.link]
+    if args.command is None:
+        args.command = _common.shell_command([a for a in argv if a not in ("--link", args.link)])
+        argv = [*argv, "--command", args.command]
+    if args.netsim and args.rank is None and "--no-progress" not in argv:
+        argv = [*argv]  # children print the table; progress goes to their stderr
+    return _common.launch(os.path.abspath(__file__), rank_main, args, argv)
+
+
+if __name__ == "__main__":
+    main()
