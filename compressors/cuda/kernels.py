@@ -110,7 +110,7 @@ def qsgd_decompress(scales: torch.Tensor, packed: torch.Tensor, bits: int, chunk
     return out
 
 
-def pack(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None, ws=None) -> torch.Tensor:
     """Pack uint8 codes (``bitpack.pack`` layout). ``out`` must be 4-byte aligned."""
     n, idx = codes.numel(), _dev(codes)
     if out is not None and out.data_ptr() % 4:  # the kernel stores 32-bit words
@@ -123,7 +123,8 @@ def pack(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> tor
     return out
 
 
-def unpack(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def unpack(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = None,
+           ws=None) -> torch.Tensor:
     """Inverse of :func:`pack`: ``n`` uint8 codes."""
     idx = _dev(packed)
     if out is None:
