@@ -33,7 +33,6 @@ import logging
 
 import torch
 
-from ..futures import chain, completed
 
 __all__ = ["Hierarchical", "hierarchical_variants", "register_missing"]
 
@@ -79,28 +78,24 @@ class Hierarchical:
         lo, hi = local * shard, min(n, (local + 1) * shard)
         sctx = ctx.with_(numel=shard, rank=inter.rank)
 
-        def across_nodes(node_shard):
-            def gather(res):
-                shard_sum, shard_own = res
+        # Rounds are issued from the caller's thread in program order and the first two are
+        # waited for here: a round issued from a completion callback could race with the
+        # next bucket's first round on the same group and mismatch collectives across ranks.
+        # The reduce-scatter is all_to_all + a local sum: gloo's reduce_scatter has no
+        # get_future() (torch 2.13), and the owner summing its chunks in local-rank order is
+        # deterministic.
+        chunks = intra.all_to_all(xp).wait()
+        node_shard = chunks.view(local_size, shard).sum(0)
+        shard_sum, shard_own = inner(inter, compressor, node_shard, sctx, store).wait()
 
-                def done(fut):
-                    total = fut.value()[:n]
-                    own = x.clone()
-                    if hi > lo:  # own = x - e on this rank's shard (see module docstring)
-                        err = node_shard[: hi - lo] - shard_own[: hi - lo].to(x.dtype)
-                        own[lo:hi].sub_(err)
-                    return total, own
+        def done(fut):
+            total = fut.value()[:n]
+            own = x.clone()
+            if hi > lo:  # own = x - e on this rank's shard (see the module docstring)
+                own[lo:hi].sub_(node_shard[: hi - lo] - shard_own[: hi - lo].to(x.dtype))
+            return total, own
 
-                return intra.all_gather(shard_sum.contiguous()).then(done)
-
-            return chain(inner(inter, compressor, node_shard, sctx, store), gather)
-
-        # reduce-scatter as all_to_all + a local sum: gloo's reduce_scatter has no get_future()
-        # (torch 2.13), and the owner summing its L chunks in local-rank order is deterministic
-        def node_sum(chunks):
-            return completed(chunks.view(local_size, shard).sum(0))
-
-        return chain(chain(intra.all_to_all(xp), node_sum), across_nodes)
+        return intra.all_gather(shard_sum.contiguous()).then(done)
 
     def __repr__(self) -> str:
         return f"Hierarchical({self.inner!r})"
