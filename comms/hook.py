@@ -16,10 +16,11 @@ Guarantees (see README "Troubleshooting and guarantees"):
   bucket's future with a ``RuntimeError`` naming the algorithm or collective, the bucket,
   its size, the step and the rank.
 * **Bucket layouts.** Residuals and stores belong to a bucket *layout* (its parameters in
-  order). When DDP rebuilds its buckets the residual is re-keyed (reset); when a freshly
-  started process sees DDP's first-iteration buckets after ``load_state_dict``, each saved
-  bucket is cut out of the current one and compressed exactly as before, so a resumed run
-  is bitwise identical to an uninterrupted one.
+  order). When DDP rebuilds its buckets each parameter's residual moves with it to its new
+  position (the algorithm store starts afresh); when a freshly started process sees DDP's
+  first-iteration buckets after ``load_state_dict``, each saved bucket is cut out of the
+  current one and compressed exactly as before, so a resumed run is bitwise identical to an
+  uninterrupted one.
 """
 
 
@@ -195,32 +196,56 @@ def _drop_stale(state: CompressionState, step: int) -> None:
 
 
 def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):
-    """``[(sub_index, segments)]``: how to compress this bucket given the saved layouts.
+    """``[(sub_index, segments)]``: how to compress this bucket given the known layouts.
 
     ``segments`` is ``None`` for the whole bucket, else the ``(offset, numel)`` slices of
-    ``buf`` that form saved bucket ``sub_index`` (resume onto DDP's first-iteration buckets).
+    ``buf`` that form saved bucket ``sub_index``: in the first step after
+    ``load_state_dict`` DDP has not rebuilt its buckets yet, and compressing the saved
+    buckets exactly as they were keeps a resumed run bitwise equal to an uninterrupted one.
+    Otherwise a changed layout (DDP rebuilt its buckets) takes over its parameters'
+    residuals, moved to their new positions; the algorithm store starts afresh.
     """
     params = bucket.parameters()
     keys = tuple(state.param_key(p) for p in params)
     if state.layouts.get(index) == keys:
         return [(index, None)]
+    numels = [p.numel() for p in params]
     kset = set(keys)
-    covered = sorted(j for j, lay in state.layouts.items() if lay and set(lay) <= kset)
-    if covered and set().union(*(state.layouts[j] for j in covered)) == kset \
-            and sum(p.numel() for p in params) == buf.numel():
-        offsets, off = {}, 0
-        for k, p in zip(keys, params):
-            offsets[k] = (off, p.numel())
-            off += p.numel()
-        logger.info("bucket %d holds saved buckets %s: compressing them as saved", index, covered)
-        return [(j, [offsets[k] for k in state.layouts[j]]) for j in covered]
-    # a new layout (DDP rebuilt its buckets): residuals of overlapping layouts are stale
+    if state._restored:
+        covered = sorted(j for j, lay in state.layouts.items() if lay and set(lay) <= kset)
+        if covered and set().union(*(state.layouts[j] for j in covered)) == kset \
+                and sum(numels) == buf.numel():
+            offsets, off = {}, 0
+            for k, n in zip(keys, numels):
+                offsets[k] = (off, n)
+                off += n
+            logger.info("bucket %d holds saved buckets %s: compressing them as saved", index, covered)
+            return [(j, [offsets[k] for k in state.layouts[j]]) for j in covered]
+    # a new layout: cut the residuals of the layouts it overlaps into per-parameter pieces
+    # (later buckets of this step may claim the rest), then assemble this bucket's residual
+    sizes = state._param_numels
+    sizes.update(zip(keys, numels))
     for j, lay in list(state.layouts.items()):
         if j == index or kset & set(lay):
+            r = state.memory.residuals.get(j)
+            if r is not None and all(k in sizes for k in lay) and sum(sizes[k] for k in lay) == r.numel():
+                off = 0
+                for k in lay:
+                    state._loose[k] = r[off: off + sizes[k]]
+                    off += sizes[k]
             del state.layouts[j]
             state.reset_bucket(j)
     state.reset_bucket(index)
     state.layouts[index] = keys
+    if state.error_feedback and any(k in state._loose for k in keys) and sum(numels) == buf.numel():
+        r = torch.zeros_like(buf)
+        off = 0
+        for k, n in zip(keys, numels):
+            piece = state._loose.pop(k, None)
+            if piece is not None and piece.numel() == n and piece.dtype == buf.dtype:
+                r[off: off + n].copy_(piece)
+            off += n
+        state.memory.residuals[index] = r
     return [(index, None)]
 
 
@@ -292,4 +317,6 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
                     lambda c: [f.value() for f in c.value()] and buf)
     if last:
         _flush_pending(state, step)
+        state._restored = False
+        state._loose.clear()
     return fut

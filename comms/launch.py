@@ -66,7 +66,8 @@ def _child(fn, rank, world, port, args, env, q, pg_timeout):
 
 
 def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
-          pg_timeout: float | None = None, env: dict | None = None) -> list[Any]:
+          pg_timeout: float | None = None, env: dict | None = None,
+          allow_dead: tuple = ()) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results in rank order.
 
     Args:
@@ -75,6 +76,8 @@ def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
         timeout: seconds for the whole run before every rank is killed.
         pg_timeout: process-group timeout inside the ranks (default ``timeout``).
         env: extra environment variables for the ranks.
+        allow_dead: ranks that may die without reporting (fault-injection tests); their
+            result is ``None``.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -87,8 +90,11 @@ def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
+    allowed = set(allow_dead)
     try:
-        while len(results) + len(errors) < world:
+        while len(results) + len(errors) + sum(
+                1 for r in allowed if procs[r].exitcode not in (None, 0)
+                and r not in results and r not in errors) < world:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"spawn: timed out after {timeout:.0f}s; finished ranks "
@@ -114,7 +120,7 @@ def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
         if errors:
             r = min(errors)
             raise RuntimeError(f"spawn: rank {r} failed:\n{errors[r]}")
-        return [pickle.loads(results[r]) for r in range(world)]
+        return [pickle.loads(results[r]) if r in results else None for r in range(world)]
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

@@ -124,10 +124,11 @@ class CompressionState:
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
         "iter", "algorithm", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layouts", "param_names", "nonfinite_buckets", "_checked", "_pending",
-        "_warned_nonfinite", "__weakref__",
+        "_warned_nonfinite", "_restored", "_loose", "_param_numels", "__weakref__",
     )
 
-    _TRANSIENT = ("process_group", "communicator", "_checked", "_pending", "__weakref__")
+    _TRANSIENT = ("process_group", "communicator", "_checked", "_pending", "_restored", "_loose",
+                  "_param_numels", "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
@@ -194,6 +195,14 @@ class CompressionState:
         self._warned_nonfinite = False
         self._checked: set = set()   # (bucket, numel, dtype) whose config passed the check
         self._pending: list = []     # this step's compressed buckets awaiting the non-finite flag
+        self._reset_transient()
+
+    def _reset_transient(self) -> None:
+        self._checked = set()
+        self._pending = []
+        self._restored = False  # True from load_state_dict to the end of the next step
+        self._loose = {}  # parameter key -> residual piece between two layouts
+        self._param_numels = {}
 
     # -- the one place that chooses algorithms -----------------------------------------
     def algorithm_for(self, bucket_index: int, numel: int, dtype: torch.dtype) -> str:
@@ -303,8 +312,8 @@ class CompressionState:
         self.algo_store = {int(b): _to_device(d, device) for b, d in sd.get("algo_store", {}).items()}
         self.layouts = {int(b): tuple(lay) for b, lay in sd.get("layouts", {}).items()}
         self.nonfinite_buckets = int(sd.get("nonfinite_buckets", 0))
-        self._checked = set()
-        self._pending = []
+        self._reset_transient()
+        self._restored = True
 
     def __getstate__(self):
         # like torch's PowerSGDState: process groups and communicators do not pickle
@@ -313,8 +322,7 @@ class CompressionState:
     def __setstate__(self, st):
         self.process_group = None
         self.communicator = None
-        self._checked = set()
-        self._pending = []
+        self._reset_transient()
         for k, v in st.items():
             setattr(self, k, v)
         logger.warning("CompressionState unpickled without a process group: the default group is used")
