@@ -282,3 +282,26 @@ def test_two_phase_owner_declines_unsupported():
     recv = torch.zeros(2 * (4 * 10 + 125), dtype=torch.uint8, device=DEV)
     assert dispatch.two_phase_qsgd_owner(q, recv, 2, 1000, ctx2) is None
     assert dispatch.two_phase_qsgd_owner(compressors.ScaledSign(), recv, 2, 1000, ctx2) is None
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_qsgd_non_finite_and_tiny_chunks_match_cpu_reference(bits):
+    """NaN chunk (s NaN, r 0), inf (r 0), tiny s (r inf), all-zero and signed-zero chunks."""
+    q = compressors.QSGD(bits=bits, chunk=64)
+    x = make_x(64 * 8 + 3)
+    x[5] = float("nan")
+    x[64 + 7] = float("inf")
+    x[128:192] = torch.randn(64) * 1e-44  # denormal scale: M/2 / s overflows to inf
+    x[192:256] = 0.0
+    x[256:320] = -0.0
+    x[320 + 9] = float("-inf")
+    ref = q.compress(x, ctx_for(x))
+    got = dispatch.qsgd_compress(q, x.to(DEV), ctx_for(x, device=DEV))
+    assert_same_bits(got[0], ref[0], "scales")
+    assert_same_bits(got[1], ref[1], "codes")
+    # decoding NaN/inf scales gives NaN; compare the finite chunks' decode bit for bit
+    dref = q.decompress(ref, ctx_for(x))
+    dgot = dispatch.qsgd_decompress(q, got, ctx_for(x, device=DEV)).cpu()
+    fin = torch.isfinite(dref)
+    assert_same_bits(dgot[fin], dref[fin], "finite decode")
+    assert torch.equal(torch.isnan(dgot), torch.isnan(dref))
