@@ -311,10 +311,11 @@ def init_distributed(rank: int, world: int, launcher: str, master_port: int | No
             port = 29500
     port = int(port or 29500)
     os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
-    local = launcher == "netsim"
-    torch.set_num_threads(threads_for(1 if local else int(os.environ.get(
+    # netsim hosts share this machine's cores, like ranks on one node
+    local_world = world if launcher == "netsim" else int(os.environ.get(
         "LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE",
-                                           os.environ.get("MPI_LOCALNRANKS", world))))))
+                                           os.environ.get("MPI_LOCALNRANKS", world))))
+    torch.set_num_threads(threads_for(local_world))
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
 
