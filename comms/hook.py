@@ -110,7 +110,13 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     comm = state.comm()
     world = comm.world_size
     compressor = state.compressor
-    alg = get_algorithm(state.algorithm_for(index, x.numel(), x.dtype))
+    name = state.algorithm_for(index, x.numel(), x.dtype)
+    if name == "dense":  # the auto planner routes this bucket to the plain allreduce
+        state.dense_calls += 1
+        fut = _guarded(dense_allreduce(state, x), _where(state, "dense allreduce", index, x.numel(),
+                                                         x.dtype, step))
+        return fut if scatter is None else fut.then(lambda f: scatter(f.value()) or f.value())
+    alg = get_algorithm(name)
     x.div_(world)
     if state.error_feedback:
         state.memory.add_residual_(index, x)
@@ -288,6 +294,12 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if last:
         state.iter += 1
     comm = state.comm()
+    if state.planner is not None and comm.world_size > 1:
+        if not state.planner.ready:
+            # first call: every rank is here and nothing is in flight — discover the topology,
+            # build its groups and probe the links (collective), once
+            comm = state.communicator = state.planner.setup(comm, state.process_group)
+        state.planner.observe(index, buf.numel(), buf.dtype, bucket)
     if comm.world_size == 1 or buf.numel() == 0:
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:

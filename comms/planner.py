@@ -106,6 +106,8 @@ class Planner:
         margin: a compressed candidate must be predicted at least this fraction faster than
             dense to be chosen.
         hierarchical: consider ``hier_`` algorithms when the topology allows.
+        probe: measure a cost model in :meth:`setup` (off: topology and groups only, for an
+            explicitly chosen ``hier_`` algorithm).
         probe_sizes, probe_reps: the probe's two allreduce sizes (bytes) and repetitions.
 
     .. warning::
@@ -118,8 +120,8 @@ class Planner:
     def __init__(self, compressor: Compressor, *, topology: Topology | None = None,
                  node: str | None = None, cost_model: CostModel | None = None,
                  algorithms: Iterable[str] | None = None, min_numel: int = 1 << 14,
-                 margin: float = 0.1, hierarchical: bool = True, probe_sizes=PROBE_SIZES,
-                 probe_reps: int = 3):
+                 margin: float = 0.1, hierarchical: bool = True, probe: bool = True,
+                 probe_sizes=PROBE_SIZES, probe_reps: int = 3):
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
         if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -140,7 +142,8 @@ class Planner:
         self.min_numel = min_numel
         self.margin = float(margin)
         self.use_hierarchy = hierarchical
-        self.probe_sizes, self.probe_reps = probe_sizes, probe_reps
+        self.probe, self.probe_sizes, self.probe_reps = bool(probe), probe_sizes, probe_reps
+        self._ndims: dict[tuple, list] = {}
         self.comm: Communicator | None = None
         self.ready = False
         self._rows: dict[tuple, PlanRow] = {}
@@ -168,7 +171,7 @@ class Planner:
                 if self.topology.intra is None:
                     raise ValueError("Planner(topology=...) needs Topology.build_groups() first")
                 self.comm = self.topology.communicator(comm)
-        if self.model is None and comm.world_size > 1:
+        if self.model is None and self.probe and comm.world_size > 1:
             self.model = CostModel.probe(self.comm, [self.compressor], sizes=self.probe_sizes,
                                          reps=self.probe_reps)
         self.ready = True
@@ -200,6 +203,12 @@ class Planner:
             names.append(name)
         return names
 
+    def observe(self, bucket_index: int, numel: int, dtype: torch.dtype, bucket) -> None:
+        """Remember the tensor ranks of a DDP bucket not planned yet (for the 1-D rule)."""
+        key = (bucket_index, numel, dtype)
+        if key not in self._rows and key not in self._ndims:
+            self._ndims[key] = [p.dim() for p in bucket.parameters()]
+
     def choose(self, bucket_index: int, numel: int, dtype: torch.dtype = torch.float32,
                ndims: Sequence[int] | None = None) -> str:
         """The algorithm name for a bucket, or ``"dense"`` (route to the plain allreduce).
@@ -216,7 +225,9 @@ class Planner:
                 self._logged = True
                 logger.info("commpress plan:\n%s", self.plan)
             return row.chosen
-        row = self._decide(bucket_index, numel, dtype, ndims)
+        if not self.ready:  # before setup (e.g. a config check): decide nothing yet
+            return DENSE
+        row = self._decide(bucket_index, numel, dtype, ndims if ndims is not None else self._ndims.get(key))
         self._rows[key] = row
         return row.chosen
 

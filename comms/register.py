@@ -25,7 +25,7 @@ def make_hook(compressor, *, process_group=None, error_feedback: bool | None = N
         process_group: the group to average over; ``None`` is WORLD. Any subgroup works.
         error_feedback: keep residuals per bucket; ``None``: on for biased compressors only.
         start_iter: iterations of plain allreduce first.
-        **kwargs: forwarded to :class:`~comms.state.CompressionState` (``algorithm``,
+        **kwargs: forwarded to :class:`~comms.state.CompressionState` (``algorithm``: default ``"auto"``, the per-bucket cost-model planner;
             ``seed``, ``communicator``, ``min_compress_numel``).
 
     Example::
@@ -33,6 +33,7 @@ def make_hook(compressor, *, process_group=None, error_feedback: bool | None = N
         >>> state, hook = comms.make_hook("qsgd:bits=4")
         >>> ddp_model.register_comm_hook(state, hook)
     """
+    kwargs.setdefault("algorithm", "auto")  # the cost-model planner (comms.planner)
     state = CompressionState(compressor, process_group, error_feedback=error_feedback,
                              start_iter=start_iter, **kwargs)
     return state, compression_hook

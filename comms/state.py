@@ -122,7 +122,7 @@ class CompressionState:
 
     __slots__ = (
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
-        "iter", "algorithm", "seed", "min_compress_numel", "stats", "algo_store",
+        "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layouts", "param_names", "nonfinite_buckets", "_checked", "_pending",
         "_warned_nonfinite", "_restored", "_loose", "_param_numels", "__weakref__",
     )
@@ -166,8 +166,14 @@ class CompressionState:
             if algorithm is None:
                 raise ValueError(f"compressor {self.compressor.spec()!r} supports none of the "
                                  f"available algorithms {sorted(ALGORITHMS)}")
-        alg = get_algorithm(algorithm)
-        if not self.compressor.supports(alg.family):
+        self.planner = None
+        if algorithm == "auto" or algorithm.startswith("hier_"):
+            # auto: the cost-model planner picks per bucket; hier_*: it supplies the topology
+            from .planner import Planner
+
+            self.planner = Planner(self.compressor, probe=algorithm == "auto")
+        alg = None if algorithm == "auto" else get_algorithm(algorithm)
+        if alg is not None and not self.compressor.supports(alg.family):
             raise ValueError(f"algorithm {algorithm!r} needs the {alg.family!r} family, which "
                              f"{self.compressor.spec()!r} does not support (it supports "
                              f"{list(self.compressor.families)})")
@@ -207,7 +213,15 @@ class CompressionState:
     # -- the one place that chooses algorithms -----------------------------------------
     def algorithm_for(self, bucket_index: int, numel: int, dtype: torch.dtype) -> str:
         """The algorithm for one bucket. A planner (``algorithm="auto"``) overrides this."""
+        if self.algorithm == "auto":
+            return self.planner.choose(bucket_index, numel, dtype)
         return self.algorithm
+
+    @property
+    def plan(self):
+        """The auto planner's per-bucket decisions (``print(state.plan)``: bucket, bytes, chosen
+        algorithm, predicted time of each candidate); ``None`` without a planner."""
+        return None if self.planner is None else self.planner.plan
 
     def config_values(self, bucket_index: int, numel: int, dtype: torch.dtype, step: int) -> tuple:
         """The values of :data:`CONFIG_FIELDS` for one bucket (what all ranks must agree on)."""

@@ -103,3 +103,62 @@ def test_hierarchical_replica_identical_and_ef_conserves(names):
                     rr = out[r][step]["residual"].clone()
                     rr[local * shard:(local + 1) * shard] = 0
                     assert torch.count_nonzero(rr) == 0, spec
+
+
+def _ddp(rank, world, names, spec, mode):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import comms
+    from comms.cost_model import ComputeCost, CostModel, TierCost
+
+    os.environ["COMMPRESS_NODE"] = names[rank]
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    if mode == "auto_slow":
+        state = comms.register(ddp, spec, start_iter=1)
+        assert state.algorithm == "auto"  # the default
+        # links as slow as a 100 Mb/s network: the planner must compress the big buckets
+        state.planner.model = CostModel({"flat": TierCost("flat", 4, 1e-3, 12.5e6),
+                                         "intra": TierCost("intra", 2, 1e-4, 5e9),
+                                         "inter": TierCost("inter", 2, 1e-3, 6e6)},
+                                        {state.compressor.spec(): ComputeCost()}, 2)
+        state.planner.min_numel = 5000  # the bucket of the small layer and biases goes dense
+    else:
+        state = comms.register(ddp, spec, start_iter=1, algorithm=mode)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(6):
+        gx = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(16, 64, generator=gx), torch.randint(0, 10, (16,), generator=gx)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    plan = state.plan
+    return {"params": params, "plan": [(r.bucket, r.numel, r.chosen) for r in plan] if plan else None,
+            "table": str(plan) if plan else "", "algs": {b: s.algorithm for b, s in state.stats.items()},
+            "dense_calls": state.dense_calls}
+
+
+@pytest.mark.timeout(150)
+def test_ddp_auto_and_hierarchical_replicas_equal():
+    names = ROUND_ROBIN
+    for spec, mode in [("fp16", "auto_slow"), ("topk:density=0.05", "hier_allgather")]:
+        out = spawn(_ddp, 4, names, spec, mode, timeout=120)
+        for r in range(1, 4):
+            assert torch.equal(out[0]["params"], out[r]["params"]), f"{spec}/{mode}: rank {r} differs"
+        assert torch.isfinite(out[0]["params"]).all()
+        if mode == "auto_slow":
+            plans = [o["plan"] for o in out]
+            assert all(p == plans[0] for p in plans), "ranks planned differently"
+            chosen = {c for _, _, c in plans[0]}
+            assert "hier_allreduce" in chosen, out[0]["table"]
+            assert "dense" in chosen, out[0]["table"]  # the small bucket
+            assert "predicted ms" in out[0]["table"]
+            assert "hier_allreduce" in out[0]["algs"].values()
+        else:
+            assert set(out[0]["algs"].values()) == {"hier_allgather"}
