@@ -91,9 +91,9 @@ OURS = (
     ("powersgd:rank=1", None, "first"),
     ("powersgd:rank=4", None, "first"),
 )
-# specs tried, in order, for the planner's "auto" (issue 4 may accept either form)
-AUTO_CANDIDATES = (("auto", None), ("auto", "auto"), ("qsgd:bits=8", "auto"),
-                   ("topk:density=0.01,exact=false", "auto"))
+# compressors given to the cost-model planner (``algorithm="auto"``, issue 4): it picks dense
+# or a compressed algorithm per bucket, so it should never be much slower than dense
+AUTO_SPECS = ("qsgd:bits=8", "powersgd:rank=1", "topk:density=0.01,exact=false")
 AUTO_ALGORITHMS = ("auto",)
 
 
@@ -171,15 +171,13 @@ def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
             configs.append(HookConfig(f"{_short(spec, st.error_feedback)}@{alg}", "ours", spec,
                                       alg, ef))
     if auto:
-        for spec, alg in AUTO_CANDIDATES:
-            st, why = _try_state(spec, alg, None)
-            if st is not None:
-                configs.append(HookConfig("auto" if spec == "auto" else f"auto({_short(spec, None)})",
-                                          "ours", spec, alg, None))
-                break
-        else:
-            skipped.append(("auto", "neither a compressor 'auto' nor algorithm='auto' is "
-                                    f"available yet (last error: {why})"))
+        for spec in AUTO_SPECS:
+            st, why = _try_state(spec, "auto", None)
+            if st is None:
+                skipped.append((f"auto({spec})", why))
+                continue
+            configs.append(HookConfig(f"auto({_short(spec, st.error_feedback)})", "ours", spec,
+                                      "auto", None))
     return configs, skipped
 
 
@@ -252,9 +250,23 @@ def config_wire_bytes(cfg: HookConfig, state, params: list, world: int) -> int |
         return dense_wire_bytes(numel, world, 2)
     if cfg.kind == "torch-powersgd":
         return torch_powersgd_wire_bytes(params, cfg.rank, world)
-    fn = getattr(state, "wire_bytes_per_step", None)
-    n = fn() if fn is not None else 0
-    return n or None
+    # buckets in state.stats were compressed; the rest (e.g. the auto planner chose dense) were not
+    stats = getattr(state, "stats", {}) or {}
+    covered = sum(s.dense_bytes for s in stats.values())
+    return sum(s.wire_bytes for s in stats.values()) + max(0, dense_wire_bytes(numel, world) - covered)
+
+
+def config_algorithm(cfg: HookConfig, state, dense_bytes: int) -> str:
+    """The algorithm column: for ``auto``, what the planner chose for the buckets."""
+    if cfg.kind != "ours":
+        return cfg.kind
+    if cfg.algorithm != "auto":
+        return cfg.algorithm or "-"
+    stats = getattr(state, "stats", {}) or {}
+    chosen = sorted({s.algorithm for s in stats.values()})
+    if sum(s.dense_bytes for s in stats.values()) < dense_bytes:
+        chosen.append("dense")
+    return "auto:" + "+".join(dict.fromkeys(chosen))
 
 
 # -- launching ------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ Models: ``mlp`` (6 x Linear(2048): 25.2M parameters), ``conv`` (a small conv net
 images), ``transformer`` (a small encoder language model). Batch 16 per rank by default.
 
 .. warning::
-    torch's ``powerSGD_hook`` fails on gloo when DDP makes more than one bucket, so the
-    default ``--bucket-cap-mb`` is large enough for the whole model to fit one bucket (for
-    every hook, so that all of them see the same buckets). Smaller caps skip torch PowerSGD.
+    torch's ``powerSGD_hook`` fails on gloo when DDP makes more than one bucket, so it always
+    gets a bucket cap large enough for the whole model. The default ``--bucket-cap-mb`` gives
+    every other hook the same single bucket; with a smaller cap the ``buckets`` column shows
+    the difference.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ __all__ = ["MODELS", "build_model", "make_batches", "measure", "main"]
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ["hook", "algorithm", "step_ms", "p90_ms", "speedup", "wire_MB", "wire_ratio",
-           "codec_ms", "loss"]
+COLUMNS = ["hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "wire_MB",
+           "wire_ratio", "codec_ms"]
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -152,7 +153,10 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     """Train ``cfg`` for warm-up + measured steps; the step times are the max over ranks."""
     model = build_model(args.model, args.width, args.depth, args.seed)
     batches = make_batches(args.model, model, args.batch, rank, seed=args.seed)
-    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    cap = args.bucket_cap_mb
+    if cfg.kind == "torch-powersgd":  # torch's powerSGD_hook fails on gloo with > 1 bucket
+        cap = max(cap, args.one_bucket_mb)
+    ddp = DDP(model, bucket_cap_mb=cap)
     state = _common.attach_hook(ddp, cfg, start_iter=args.start_iter)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     warmup = max(args.warmup, args.start_iter + 2)  # the first compressed steps allocate buffers
@@ -183,9 +187,12 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     params = [p for p in model.parameters() if p.requires_grad]
     wire = _common.config_wire_bytes(cfg, state, params, world)
-    numel = sum(p.numel() for p in params)
     ts = sorted(t.tolist())
-    row = {"hook": cfg.name, "algorithm": cfg.algorithm or cfg.kind,
+    sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+    numel = sum(p.numel() for p in params)
+    row = {"hook": cfg.name,
+           "algorithm": _common.config_algorithm(cfg, state, _common.dense_wire_bytes(numel, world)),
+           "buckets": len([b for b in sizes.split(",") if b.strip()]) or None,
            "step_ms": 1e3 * statistics.median(ts),
            "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
            "wire_bytes": wire, "wire_MB": wire / 1e6 if wire else None,
@@ -205,13 +212,9 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
     configs, skipped = _common.hook_configs()
     configs = _common.filter_configs(configs, args.hooks)
     model_mb = _one_bucket_mb(args)
+    args.one_bucket_mb = math.ceil(model_mb * 1.1) + 1
     if args.bucket_cap_mb is None:
-        args.bucket_cap_mb = math.ceil(model_mb * 1.1) + 1
-    if args.bucket_cap_mb < model_mb:
-        for c in [c for c in configs if c.kind == "torch-powersgd"]:
-            skipped.append((c.name, f"torch powerSGD_hook fails on gloo with more than one bucket "
-                                    f"(bucket_cap_mb={args.bucket_cap_mb} < model {model_mb:.0f} MB)"))
-        configs = [c for c in configs if c.kind != "torch-powersgd"]
+        args.bucket_cap_mb = args.one_bucket_mb
     numel = sum(p.numel() for p in build_model(args.model, args.width, args.depth).parameters())
     if rank == 0:
         print(f"# ddp_step: model={args.model} params={numel} ({model_mb:.1f} MB fp32) world={world} "
@@ -242,8 +245,8 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
         md = [f"# DDP step time: {args.model}, {world} ranks, link {args.link}", "",
               "```", args.command, "```", "",
               f"Machine: {meta['machine']}. Model {numel} parameters, batch {args.batch} per rank, "
-              f"bucket_cap_mb={args.bucket_cap_mb} (one bucket: torch's powerSGD_hook fails on gloo "
-              f"with more), median of {args.steps} steps after warm-up; step time is the max over "
+              f"bucket_cap_mb={args.bucket_cap_mb} (torch's powerSGD_hook always gets one bucket: it "
+              f"fails on gloo with more), median of {args.steps} steps after warm-up; step time is the max over "
               "ranks; wire bytes are what each rank sends per step (ring allreduce counts "
               "2(n-1)/n of the buffer).", ""]
         md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
@@ -264,7 +267,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=4, help="warm-up steps (at least start_iter + 2)")
     p.add_argument("--start-iter", type=int, default=2, help="dense iterations before compressing")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="DDP bucket cap (default: the whole model in one bucket)")
+                   help="DDP bucket cap (default: the whole model in one bucket); torch PowerSGD "
+                        "always gets one bucket, as its hook fails on gloo with more")
     p.add_argument("--hooks", default=None,
                    help="comma-separated names (or substrings) of hooks to run; dense always runs")
     p.add_argument("--seed", type=int, default=0)

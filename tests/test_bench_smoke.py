@@ -85,12 +85,13 @@ def test_ddp_step_smoke(tmp_path):
                 "--warmup", "3", "--hooks", "torch-fp16,torch-psgd-r1,qsgd8@allgather", "--no-lock",
                 "--no-progress", "--out", str(tmp_path / "ds")])
     rows = _table(out, "hook")
-    assert rows[0] == ["hook", "algorithm", "step_ms", "p90_ms", "speedup", "wire_MB",
-                       "wire_ratio", "codec_ms", "loss"]
+    assert rows[0] == ["hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "wire_MB",
+                       "wire_ratio", "codec_ms"]
     by = {r[0]: r for r in rows[1:]}
     assert set(by) == {"dense", "torch-fp16", "torch-psgd-r1", "qsgd8@allgather"}
-    assert float(by["dense"][4]) == 1.0 and float(by["dense"][6]) == 1.0
-    assert float(by["torch-fp16"][6]) == 2.0  # half the bytes of dense, exactly
+    assert float(by["dense"][5]) == 1.0 and float(by["dense"][7]) == 1.0
+    assert float(by["torch-fp16"][7]) == 2.0  # half the bytes of dense, exactly
+    assert by["dense"][2] == by["torch-psgd-r1"][2] == "1"  # one bucket by default
     with open(tmp_path / "ds.csv") as f:
         recs = list(csv.DictReader(f))
     dense_b = int(recs[0]["wire_bytes"])
