@@ -115,7 +115,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         state.dense_calls += 1
         fut = _guarded(dense_allreduce(state, x), _where(state, "dense allreduce", index, x.numel(),
                                                          x.dtype, step))
-        return fut if scatter is None else fut.then(lambda f: scatter(f.value()) or f.value())
+        return _enqueue(state, index, step, None, x, fut, scatter)
     alg = get_algorithm(name)
     x.div_(world)
     if state.error_feedback:
@@ -143,7 +143,12 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         x.copy_(total)
         return x
 
-    p = _Pending(index, step, flag, x, fut.then(finish), scatter)
+    return _enqueue(state, index, step, flag, x, fut.then(finish), scatter)
+
+
+def _enqueue(state, index, step, flag, x, fut, scatter=None) -> torch.futures.Future:
+    """Hold a bucket's future until the step's flag allreduce (``flag`` None: a dense bucket)."""
+    p = _Pending(index, step, flag, x, fut, scatter)
     state._pending.append(p)
     return p.result
 
@@ -151,7 +156,8 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
 def _settle(state: CompressionState, p: _Pending, i: int, flags_fut) -> None:
     try:
         x = p.fut.value()
-        bad = flags_fut.value()[i] > 0
+        flags = flags_fut.value()
+        bad = p.flag is not None and flags[i] > 0
         if bad:
             # as with plain allreduce, the non-finite value reaches every rank; the
             # residual and store must not keep it
@@ -179,17 +185,54 @@ def _flush_pending(state: CompressionState, step: int) -> None:
     if not pending:
         return
     comm = state.comm()
-    flags = torch.stack([p.flag for p in pending]).to(torch.float32)
+    device = pending[-1].x.device
+    no = torch.zeros((), dtype=torch.bool, device=device)
+    # the last element counts the ranks: gloo can hand back garbage instead of an error once a
+    # peer has died, so a count != world means this step's results cannot be trusted
+    flags = torch.cat([torch.stack([no if p.flag is None else p.flag for p in pending]).to(torch.float32),
+                       torch.ones(1, device=device)])
+    if device.type != "cpu" and comm.backend in ("gloo", "mpi"):
+        flags = flags.cpu()
     where = _where(state, "non-finite-flag allreduce", pending[-1].bucket, flags.numel(),
                    flags.dtype, step)
+    world = comm.world_size
+
+    def host(f):
+        vals = f.value().tolist()  # one host read per step, after the collective finished
+        if vals[-1] != world:
+            raise RuntimeError(f"{where} returned a rank count of {vals[-1]:g} instead of {world}: "
+                               "a peer died or disconnected; this step's results are discarded")
+        return vals
+
     try:
-        ffut = _guarded(comm.all_reduce(flags), where).then(lambda f: f.value().tolist())
+        ffut = _guarded(comm.all_reduce(flags), where).then(host)
     except Exception as exc:  # noqa: BLE001
         ffut = torch.futures.Future()
         ffut.set_exception(RuntimeError(f"{where} failed: {exc}"))
     for i, p in enumerate(pending):
-        torch.futures.collect_all([p.fut, ffut]).add_done_callback(
-            lambda _c, p=p, i=i: _settle(state, p, i, ffut))
+        # not collect_all: it completes at the first error, before the other future is done
+        p.fut.add_done_callback(
+            lambda _f, p=p, i=i: ffut.add_done_callback(lambda _g: _settle(state, p, i, ffut)))
+
+
+def _when_all(futs, value) -> torch.futures.Future:
+    """A future of ``value`` once every one of ``futs`` is done (the first error wins)."""
+    out = torch.futures.Future()
+    left = [len(futs)]
+
+    def one(_f):
+        left[0] -= 1
+        if left[0] == 0:
+            try:
+                for f in futs:
+                    f.value()
+                out.set_result(value)
+            except BaseException as exc:  # noqa: BLE001 - forwarded to DDP
+                out.set_exception(exc)
+
+    for f in futs:
+        f.add_done_callback(one)
+    return out
 
 
 def _drop_stale(state: CompressionState, step: int) -> None:
@@ -308,7 +351,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         if step < state.start_iter or buf.numel() < state.min_compress_numel:
             state.dense_calls += 1
             where = _where(state, "dense allreduce", index, buf.numel(), buf.dtype, step)
-            fut = _guarded(dense_allreduce(state, buf), where)
+            fut = _enqueue(state, index, step, None, buf, _guarded(dense_allreduce(state, buf), where))
         else:
             plan = _layout_plan(state, bucket, buf, index)
             if plan == [(index, None)]:
@@ -325,8 +368,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
                             pos += n
 
                     subs.append(_compress_flat(state, x, j, step, scatter))
-                fut = torch.futures.collect_all(subs).then(
-                    lambda c: [f.value() for f in c.value()] and buf)
+                fut = _when_all(subs, buf)
     if last:
         _flush_pending(state, step)
         state._restored = False

@@ -109,7 +109,7 @@ def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
                     while not q.empty():
                         rank, ok, val = q.get()
                         (results if ok else errors)[rank] = val
-                    dead = [r for r in dead if r not in results and r not in errors]
+                    dead = [r for r in dead if r not in results and r not in errors and r not in allowed]
                     if dead:
                         raise RuntimeError(f"spawn: rank(s) {dead} died with exit codes "
                                            f"{[procs[r].exitcode for r in dead]}") from None
