@@ -22,4 +22,12 @@ __all__ = [
 ]
 __all__ += ["check_replicas", "ReplicaMismatchError"]
 
+from .topology import Topology, TieredCommunicator  # noqa: E402
+from .cost_model import CostModel  # noqa: E402
+from .planner import Planner  # noqa: E402
+from .buckets import suggest_bucket_cap_mb, suggest_bucket_cap_mb_list  # noqa: E402
+
+__all__ += ["Topology", "TieredCommunicator", "CostModel", "Planner", "suggest_bucket_cap_mb",
+            "suggest_bucket_cap_mb_list"]
+
 logger = logging.getLogger(__name__)
