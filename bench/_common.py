@@ -555,8 +555,14 @@ def machine_facts() -> str:
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
                     break
+    load = "?"
+    with contextlib.suppress(OSError):
+        load = os.getloadavg()[0]
+        load = f"{load:.1f}"
+    # the load average says how much other work shared the cores during the run
     return (f"{cpu}, {threads_for(1)} cores, torch {torch.__version__}, Python "
-            f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}")
+            f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"1-min load average at the end {load}")
 
 
 def write_text(path: str, text: str) -> None:

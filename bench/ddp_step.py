@@ -224,9 +224,10 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
         for what, why in skipped:
             print(f"# skipped {what}: {why}", flush=True)
     rows = []
+    profiled = set((args.profile or "").split(","))
     it = _common.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
     for cfg in it:
-        rows.append(measure(cfg, args, rank, world, profile=(args.profile == cfg.name)))
+        rows.append(measure(cfg, args, rank, world, profile=cfg.name in profiled))
     dense = next(r for r in rows if r["hook"] == "dense")
     for r in rows:
         r["speedup"] = dense["step_ms"] / r["step_ms"]
@@ -274,8 +275,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-codec", dest="codec", action="store_false",
                    help="skip the standalone compress+decompress timing column")
-    p.add_argument("--profile", default=None, metavar="HOOK",
-                   help="print a torch.profiler table of one measured step of this hook")
+    p.add_argument("--profile", default=None, metavar="HOOK[,HOOK]",
+                   help="print a torch.profiler table of one measured step of these hooks")
     p.add_argument("--out", default=None,
                    help="write OUT.md and OUT.csv (e.g. bench/results/ddp_step_mlp_1gbit)")
     p.add_argument("--json", default=None, help="write the rows as JSON (used by sweep.py)")
