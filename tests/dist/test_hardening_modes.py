@@ -16,6 +16,9 @@ from dist.ranks import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.dist]
 
+# algorithm=None: the compressor's own family, so every bucket of these tiny models is
+# compressed (the default "auto" planner sends small buckets dense)
+
 
 class WithUnused(nn.Module):
     """An MLP with a branch that never runs (find_unused_parameters)."""
@@ -41,7 +44,7 @@ def _run(rank, mode, spec, steps=6, dtype=torch.float32, start_iter=1, seed=0):
     torch.manual_seed(0)
     base = WithUnused(dtype) if mode == "find_unused" else make_model(seed, dtype)
     model = DDP(base, **ddp_kw)
-    state = comms.register(model, spec, start_iter=start_iter) if spec else None
+    state = comms.register(model, spec, start_iter=start_iter, algorithm=None) if spec else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         opt.zero_grad()
@@ -104,7 +107,7 @@ def _mesh_body(rank, world):
     torch.manual_seed(0)
     # each DP group starts from its own weights: averaging over WORLD would mix them
     model = DDP(make_model(seed=tp_coord), bucket_cap_mb=0.01, process_group=dp)
-    state = comms.register(model, "topk:density=0.05", process_group=dp, start_iter=1)
+    state = comms.register(model, "topk:density=0.05", process_group=dp, start_iter=1, algorithm=None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(5):
         x, y = batch(rank, step)
@@ -151,7 +154,7 @@ def _rebuild_body(rank, world, start_iter):
     # a cap large enough for one bucket: DDP's first-iteration bucket and its rebuilt bucket
     # then have the same numel but a different parameter order
     model = DDP(make_model(), bucket_cap_mb=25)
-    state, _ = comms.make_hook(Recorder(density=0.05), start_iter=start_iter)
+    state, _ = comms.make_hook(Recorder(density=0.05), start_iter=start_iter, algorithm=None)
     state.bind(model)
     rec = []
     hook_state = _Holder(state, rec)
@@ -230,7 +233,7 @@ def _two_models_body(rank, world):
     torch.manual_seed(0)
     a = DDP(make_model(seed=1), bucket_cap_mb=0.01)
     b = DDP(make_model(seed=2), bucket_cap_mb=0.01)
-    sa = comms.register(a, "topk:density=0.05", start_iter=1)
+    sa = comms.register(a, "topk:density=0.05", start_iter=1, algorithm=None)
     sb = comms.register(b, "qsgd:bits=4", start_iter=1, algorithm="allgather")
     oa = torch.optim.SGD(a.parameters(), lr=0.05)
     ob = torch.optim.SGD(b.parameters(), lr=0.05)
@@ -267,7 +270,7 @@ def _world1_body(rank, world):
     for spec in (None, "topk:density=0.01"):
         torch.manual_seed(0)
         model = DDP(make_model(), bucket_cap_mb=0.01)
-        state = comms.register(model, spec, start_iter=0) if spec else None
+        state = comms.register(model, spec, start_iter=0, algorithm=None) if spec else None
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(4):
             x, y = batch(rank, step)
