@@ -297,14 +297,12 @@ def main(argv: list[str] | None = None):
         for what, why in skipped:
             print(f"# skipped {what}: {why}")
         return None
+    if args.command is None:
+        args.command = _common.shell_command(argv)
+        argv = [*argv, "--command", args.command]
     if args.link is None:
         args.link = args.netsim or "unshaped"
         argv = [*argv, "--link", args.link]
-    if args.command is None:
-        args.command = _common.shell_command([a for a in argv if a not in ("--link", args.link)])
-        argv = [*argv, "--command", args.command]
-    if args.netsim and args.rank is None and "--no-progress" not in argv:
-        argv = [*argv]  # children print the table; progress goes to their stderr
     return _common.launch(os.path.abspath(__file__), rank_main, args, argv)
 
 
