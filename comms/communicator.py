@@ -81,7 +81,18 @@ class TorchCommunicator(Communicator):
     def reduce_scatter(self, t):
         if t.numel() % self.world_size:
             raise ValueError(f"reduce_scatter needs numel divisible by world={self.world_size}, got {t.numel()}")
-        out = torch.empty(t.numel() // self.world_size, dtype=t.dtype, device=t.device)
+        n = t.numel() // self.world_size
+        if self.backend == "gloo":
+            # gloo's reduce_scatter Work has no get_future() in torch 2.13 ("Work::getFuture not
+            # implemented"): exchange the chunks with all_to_all and sum them in rank order
+            def _sum(fut):
+                parts = fut.value().view(self.world_size, n)
+                acc = parts[0].clone()
+                for r in range(1, self.world_size):
+                    acc.add_(parts[r])
+                return acc
+            return self.all_to_all(t.contiguous()).then(_sum)
+        out = torch.empty(n, dtype=t.dtype, device=t.device)
         return _then_value(_reduce_scatter_into(out, t, self.group), out)
 
     def broadcast(self, t, src=0):

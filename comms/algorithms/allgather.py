@@ -11,7 +11,6 @@ import logging
 
 import torch
 
-from ..futures import chain
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
 __all__ = ["allgather"]
@@ -67,7 +66,10 @@ def allgather(comm, compressor, x, ctx, store):
 
         return comm.all_gather(padded).then(done)
 
-    return chain(comm.all_gather(sizes), after_sizes)
+    # wait for the size round here, in the caller's thread: starting the payload round from a
+    # completion callback could order it after another bucket's first round on some ranks
+    # only, and gloo pairs collectives by issue order
+    return after_sizes(comm.all_gather(sizes).wait())
 
 
 allgather.name = "allgather"
