@@ -44,6 +44,7 @@ __all__ = ["MODELS", "build_model", "make_batches", "measure", "main"]
 
 logger = logging.getLogger(__name__)
 
+PROFILES: list = []  # (hook, step ms, profiler table) collected on rank 0 for the .md file
 COLUMNS = ["hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "wire_MB",
            "wire_ratio", "codec_ms"]
 
@@ -178,8 +179,9 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
         if prof is not None:
             prof.__exit__(None, None, None)
             if rank == 0:
-                print(f"# profile of one step of {cfg.name} (rank 0, self CPU time):")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+                PROFILES.append((cfg.name, 1e3 * dt, table))
+                print(f"# profile of one step of {cfg.name} (rank 0, self CPU time):\n{table}")
             prof = None
         if i >= warmup:
             times.append(dt)
@@ -252,6 +254,10 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
               "2(n-1)/n of the buffer).", ""]
         md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
         md.append(_common.format_table(rows, cols, markdown=True))
+        for name, ms, table in PROFILES:
+            md += ["", f"Profile of one measured step of `{name}` ({ms:.0f} ms under the profiler; "
+                   "rank 0; self CPU time; the hook's wait for the collective shows as autograd "
+                   "engine time):", "", "```", table.strip(), "```"]
         _common.write_text(args.out + ".md", "\n".join(md) + "\n")
     return rows
 
