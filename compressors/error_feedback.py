@@ -67,7 +67,8 @@ class ErrorFeedback:
 
         ``x`` is not modified.
         """
-        x = self.add_residual_(ctx.bucket, x.clone())
+        r = self.residual(ctx.bucket, x)
+        x = x.clone() if r is None else torch.add(x, r)  # one pass, same bits as clone + add_
         payload = compressor.compress(x, ctx)
         decoded = compressor.decompress(payload, ctx)
         self.update_(ctx.bucket, x, decoded)

@@ -99,5 +99,12 @@ class RandomK(Compressor):
         out[self.indices(ctx)] = payload[0].to(ctx.dtype)
         return out
 
+    def decompress_into(self, payload, ctx, out):
+        if out.dtype != ctx.dtype or not out.is_contiguous():
+            return super().decompress_into(payload, ctx, out)
+        flat = out.view(-1).zero_()
+        flat[self.indices(ctx)] = payload[0].to(ctx.dtype)
+        return out
+
     def decompress_add_(self, payload, ctx, acc):
         return acc.index_add_(0, self.indices(ctx), payload[0].to(acc.dtype))

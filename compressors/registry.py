@@ -45,9 +45,10 @@ def get(name: str, **kwargs) -> Compressor:
     except KeyError:
         raise ValueError(f"unknown compressor {name!r}; known: {', '.join(available())}") from None
     params = inspect.signature(cls.__init__).parameters
+    known = [p for p, v in params.items() if p != "self"
+             and v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
     for k in kwargs:
-        if k not in params or k == "self":
-            known = [p for p in params if p != "self"]
+        if k not in known:
             raise ValueError(f"compressor {name!r} has no option {k!r}; options: {known}")
     return cls(**kwargs)
 

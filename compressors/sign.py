@@ -3,21 +3,34 @@
 Format (shared with csrc/): bit 1 for ``x >= 0``, 0 otherwise; per chunk scale
 ``s = mean|x|`` over the chunk's real elements; decode ``x' = +s`` or ``-s``.
 Payload: ``[scales (nchunks, fp32), bits (ceil(n/8), uint8)]``. Biased: use error feedback.
+
+The scale is ``torch.mean`` of the fp32 ``|x|`` of each chunk: whole chunks as rows of a
+``(rows, chunk)`` view reduced over dim 1, the short last chunk as a 1-D mean. Its fp32 bits
+depend on torch's summation order, which the format does not pin down, so another
+implementation (csrc/) should take the scales from this torch code rather than recompute
+them. The blocked fast path below keeps the bits of the whole-tensor version (tested): on CPU
+each row is summed by one thread with the same vectorized loop whatever the number of rows,
+as long as a single-row reduction stays below torch's 32768-element parallel grain (a
+one-output reduction above it is split across threads); elsewhere the scales are computed
+with the whole-tensor ops.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
-from .base import Compressor, check_chunk, check_input
+from .base import Compressor, check_chunk, check_input, chunk_pieces, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
 from .registry import register
 
 __all__ = ["ScaledSign"]
 
 logger = logging.getLogger(__name__)
+
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: one-output reductions above it split across threads
 
 
 @register("sign", "scaledsign", "signsgd")
@@ -44,6 +57,7 @@ class ScaledSign(Compressor):
         return 4 * self.nchunks(numel) + packed_nbytes(numel, 1)
 
     def _scales(self, xf: torch.Tensor) -> torch.Tensor:
+        """Whole-tensor reference scales (fp32 ``xf``)."""
         n = xf.numel()
         c = self.chunk
         nfull = n // c
@@ -55,22 +69,115 @@ class ScaledSign(Compressor):
             s[nfull] = xf[nfull * c:].abs().mean()
         return s
 
+    @staticmethod
+    def _abs_into(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return torch.abs(x, out=t)
+        return t.copy_(x).abs_()
+
+    def _scales_blocked(self, x: torch.Tensor, s: torch.Tensor, B: int) -> None:
+        """Same bits as :meth:`_scales` without an input-sized temporary (CPU): whole chunks
+        in groups of >= 2 rows (1 only when the tensor has a single whole chunk, as in the
+        whole-tensor version), each group's |x| in a reused buffer."""
+        n, c = x.numel(), self.chunk
+        nfull = n // c
+        ws = self.workspace()
+        if nfull:
+            g = 1 if nfull == 1 else max(2, B // c)
+            starts = list(range(0, nfull, g))
+            if len(starts) > 1 and nfull - starts[-1] == 1:
+                starts.pop()  # never leave a single-row group behind
+            bounds = starts[1:] + [nfull]
+            for r0, r1 in zip(starts, bounds):
+                t = ws.get("abs", (r1 - r0) * c, torch.float32, x.device)
+                self._abs_into(x[r0 * c:r1 * c], t)
+                torch.mean(t.view(r1 - r0, c), dim=1, out=s[r0:r1])
+        if n > nfull * c:
+            t = ws.get("abs", n - nfull * c, torch.float32, x.device)
+            s[nfull] = self._abs_into(x[nfull * c:], t).mean()
+
     def compress(self, x, ctx):
         check_input(x)
-        xf = x.float()
-        s = self._scales(xf)
-        bits = (xf >= 0).to(torch.uint8)
-        return [s, pack(bits, 1)]
+        x = x.reshape(-1)
+        n, c, dev = x.numel(), self.chunk, x.device
+        s = torch.empty(self.nchunks(n), dtype=torch.float32, device=dev)
+        packed = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8, device=dev)
+        if n == 0:
+            return [s, packed]
+        B = self.block_for(dev)
+        cap = min(B, n)
+        ws = self.workspace()
+        # CPU: each block holds whole chunks and a single row stays below the parallel grain,
+        # so block-wise means have the whole-tensor bits (see the module docstring)
+        fused = dev.type == "cpu" and B % c == 0 and c < _GRAIN
+        if not fused:
+            if dev.type == "cpu":
+                self._scales_blocked(x, s, B)
+            else:
+                s.copy_(self._scales(x.float()))
+        bits = ws.get("bits", cap, torch.bool, dev)
+        for b0 in range(0, n, B):
+            b1 = min(n, b0 + B)
+            L = b1 - b0
+            if fused:
+                t = self._abs_into(x[b0:b1], ws.get("t", cap, torch.float32, dev)[:L])
+                for lo, hi, ci, rows in chunk_pieces(b0, b1, c):
+                    if rows:
+                        torch.mean(t[lo - b0:hi - b0].view(rows, c), dim=1, out=s[ci:ci + rows])
+                    else:  # the short last chunk
+                        s[ci] = t[lo - b0:hi - b0].mean()
+            bb = bits[:L]
+            xn = numpy_view(x[b0:b1])
+            if xn is not None:  # numpy's compare is ~7x faster than torch's on CPU
+                np.greater_equal(xn, 0, out=numpy_view(bb))
+            else:
+                torch.ge(x[b0:b1], 0, out=bb)
+            pack(bb, 1, out=packed[b0 // 8:b0 // 8 + packed_nbytes(L, 1)], ws=ws)
+        return [s, packed]
+
+    def _decode(self, payload, ctx, out, accumulate):
+        s, packed = payload
+        if ctx.numel == 0:
+            return out
+        c = self.chunk
+        ws = self.workspace()
+
+        def block(b0, b1, f):  # the reference's ops: ((2 * b) - 1) * s
+            L = b1 - b0
+            q = ws.get("q", L, torch.uint8, f.device)
+            unpack(packed[b0 // 8:b0 // 8 + packed_nbytes(L, 1)], 1, L, out=q, ws=ws)
+            f.copy_(q).mul_(2).sub_(1)
+            for lo, hi, ci, rows in chunk_pieces(b0, b1, c):
+                fs = f[lo - b0:hi - b0]
+                if rows:
+                    fs.view(rows, c).mul_(s[ci:ci + rows].unsqueeze(1))
+                else:
+                    fs.mul_(s[ci])
+
+        return self._decode_blocks(ctx, out, accumulate, packed.device, block)
 
     def decompress(self, payload, ctx):
-        s, packed = payload
-        n = ctx.numel
-        b = unpack(packed, 1, n).float()  # 0/1
-        per = s.repeat_interleave(self.chunk)[:n]
-        out = b.mul_(2).sub_(1).mul_(per)
-        return out.to(ctx.dtype)
+        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=payload[1].device)
+        return self._decode(payload, ctx, out, accumulate=False)
+
+    def decompress_into(self, payload, ctx, out):
+        if not out.is_contiguous() or out.numel() != ctx.numel:
+            return super().decompress_into(payload, ctx, out)
+        self._decode(payload, ctx, out.view(-1), accumulate=False)
+        return out
+
+    def decompress_add_(self, payload, ctx, acc):
+        if not acc.is_contiguous() or acc.numel() != ctx.numel:
+            return super().decompress_add_(payload, ctx, acc)
+        self._decode(payload, ctx, acc.view(-1), accumulate=True)
+        return acc
 
     def error_bound(self, x):
-        xf = x.float()
+        """``|x| + s`` per element (plus the rounding of the decoded value for fp16/bf16)."""
+        xf = x.reshape(-1).float()
         s = self._scales(xf).repeat_interleave(self.chunk)[: x.numel()]
-        return (xf.abs() + s).to(x.dtype)
+        bound = xf.abs() + s
+        if x.dtype != torch.float32:
+            eps = torch.finfo(x.dtype).eps
+            bound = bound * (1 + 2 * eps)
+        return bound.to(x.dtype).view_as(x)
