@@ -40,40 +40,70 @@ from .communicator import Communicator
 from .futures import completed
 
 __all__ = ["TierCost", "ComputeCost", "CostModel", "ALGORITHM_COSTS", "FAMILY_COSTS",
-           "PROBE_SIZES", "LocalCommunicator"]
+           "PROBE_SIZES", "LocalCommunicator", "payload_dtype", "wire_ops", "HOOK_PASSES",
+           "HIER_PASSES"]
 
 logger = logging.getLogger(__name__)
 
 PROBE_SIZES = (16 << 10, 4 << 20)  # bytes: latency-bound and bandwidth-bound
 SAMPLE_NUMELS = (1 << 12, 1 << 20)  # compressor timing sample sizes
+PROBE_CAP_BYTES = 8 << 20  # refine(): largest probe collective (~70 ms at 1 Gb/s)
+COMPUTE_NUMEL = 1 << 22  # refine(): compute timed at up to 16 MB of fp32 (past the caches)
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                               torch.int8, torch.uint8, torch.int32, torch.int64)}
 
 
 @dataclass(frozen=True)
 class TierCost:
-    """``alpha`` (s per collective) and ``beta`` (bytes/s per ring link) of one tier."""
+    """``alpha`` (s per collective) and ``beta`` (bytes/s per ring link) of one tier.
+
+    ``betas`` holds the bandwidth measured for one collective on one wire dtype at a
+    bucket-like size (``{("allreduce", "torch.float16"): bytes/s, ...}``, see
+    :meth:`CostModel.refine`): gloo's fp16/bf16 sums on CPU are several times slower per
+    byte than its fp32 sum, and an allgather of bytes is not an allreduce. Pairs that were
+    not measured use ``beta``.
+    """
 
     name: str
     world: int
     alpha: float
     beta: float
+    betas: dict = field(default_factory=dict, compare=False)
 
-    def _f(self, nbytes: float, factor: float) -> float:
+    def beta_for(self, op: str, dtype=None) -> float:
+        if dtype is None or not self.betas:
+            return self.beta
+        return self.betas.get((op, str(dtype)), self.beta)
+
+    def _f(self, nbytes: float, factor: float, op: str = "allreduce", dtype=None) -> float:
         if self.world <= 1:
             return 0.0
-        return self.alpha + factor * nbytes / self.beta
+        return self.alpha + factor * nbytes / self.beta_for(op, dtype)
 
-    def allreduce(self, nbytes: float) -> float:
+    def allreduce(self, nbytes: float, dtype=None) -> float:
         n = self.world
-        return self._f(nbytes, 2 * (n - 1) / n)
+        return self._f(nbytes, 2 * (n - 1) / n, "allreduce", dtype)
 
-    def allgather(self, nbytes_per_rank: float) -> float:
-        return self._f(nbytes_per_rank, self.world - 1)
+    def allgather(self, nbytes_per_rank: float, dtype=None) -> float:
+        return self._f(nbytes_per_rank, self.world - 1, "allgather", dtype)
 
-    def reduce_scatter(self, nbytes: float) -> float:
+    def reduce_scatter(self, nbytes: float, dtype=None) -> float:
         n = self.world
-        return self._f(nbytes, (n - 1) / n)
+        return self._f(nbytes, (n - 1) / n, "all_to_all", dtype)
 
     all_to_all = reduce_scatter
+
+    @staticmethod
+    def factor(op: str, world: int) -> float:
+        """Link bytes per payload byte of ``op`` on a ring of ``world`` ranks."""
+        if op == "allreduce":
+            return 2 * (world - 1) / world
+        if op == "allgather":
+            return float(world - 1)
+        return (world - 1) / world  # all_to_all / reduce-scatter
+
+    def with_betas(self, betas: dict) -> "TierCost":
+        return TierCost(self.name, self.world, self.alpha, self.beta, {**self.betas, **betas})
 
     @classmethod
     def fit(cls, name: str, world: int, sizes, times) -> "TierCost":
@@ -124,15 +154,41 @@ class LocalCommunicator(Communicator):
 
 
 # -- per-algorithm formulas ------------------------------------------------------------
-# f(tier, compressor, compute, numel, dtype) -> seconds, for the flat algorithm on ``tier``
+# f(tier, compressor, compute, numel, dtype) -> seconds, for the flat algorithm on ``tier``.
+# Each collective is charged at the bandwidth measured for the dtype it really carries:
+# the allreduce family sums the payload's dtype (fp16, int8, ...), gathers move bytes.
+
+_PAYLOAD_DTYPES: dict[tuple, torch.dtype] = {}
+
+
+def payload_dtype(comp: Compressor, dtype=torch.float32) -> torch.dtype:
+    """The dtype the allreduce family sums for ``comp`` (one compress of a small sample;
+    memoised). Multi-round linear compressors (PowerSGD) sum factors of the bucket dtype."""
+    key = (comp.spec(), str(dtype))
+    got = _PAYLOAD_DTYPES.get(key)
+    if got is not None:
+        return got
+    got = dtype
+    if not hasattr(comp, "linear_aggregate") and comp.supports("allreduce"):
+        try:
+            x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(dtype)
+            kinds = {t.dtype for t in comp.compress(x, Context(numel=4096, dtype=dtype, device=x.device))}
+            if len(kinds) == 1:
+                got = kinds.pop()
+        except Exception:  # noqa: BLE001 - a compressor that cannot compress here: bucket dtype
+            logger.debug("payload dtype of %s unknown; assuming %s", comp.spec(), dtype, exc_info=True)
+    _PAYLOAD_DTYPES[key] = got
+    return got
+
 
 def _t_allreduce(tier, comp, cc, numel, dtype):
-    return cc.compress(numel) + tier.allreduce(comp.wire_bytes(numel, dtype)) + cc.decompress(numel)
+    return (cc.compress(numel) + tier.allreduce(comp.wire_bytes(numel, dtype), payload_dtype(comp, dtype))
+            + cc.decompress(numel))
 
 
 def _t_allgather(tier, comp, cc, numel, dtype):
     # every rank decodes every payload
-    return (cc.compress(numel) + tier.allgather(comp.wire_bytes(numel, dtype))
+    return (cc.compress(numel) + tier.allgather(comp.wire_bytes(numel, dtype), torch.uint8)
             + tier.world * cc.decompress(numel))
 
 
@@ -140,25 +196,69 @@ def _t_two_phase(tier, comp, cc, numel, dtype):
     n = tier.world
     m = -(-numel // n)
     wire = comp.wire_bytes(m, dtype)
-    return (cc.compress(numel) + tier.all_to_all(n * wire) + n * cc.decompress(m)  # phase 1
-            + cc.compress(m) + tier.allgather(wire) + n * cc.decompress(m))  # owner + phase 2
+    return (cc.compress(numel) + tier.all_to_all(n * wire, torch.uint8) + n * cc.decompress(m)  # phase 1
+            + cc.compress(m) + tier.allgather(wire, torch.uint8) + n * cc.decompress(m))  # owner + phase 2
 
 
 def _t_shared_scale(tier, comp, cc, numel, dtype):
-    # a tiny allgather of per-chunk scales, then one integer allreduce; wire_bytes of the
-    # algorithm already counts both, split them for the two latencies
-    from .algorithms import get_algorithm
-
-    alg = get_algorithm("shared_scale")
+    # a tiny allgather of per-chunk scales, then one integer (int8/int32) allreduce
     n = tier.world
-    total = alg.wire_bytes(comp, numel, dtype, n) if n > 1 else 0
-    return cc.compress(numel) + 2 * tier.alpha * (n > 1) + total / tier.beta + cc.decompress(numel)
+    if n <= 1:
+        return cc.compress(numel) + cc.decompress(numel)
+    from .algorithms.shared_scale import shared_scale_levels
+
+    _, wire_dtype = shared_scale_levels(comp.bits, n)
+    nch = -(-numel // comp.chunk)
+    return (cc.compress(numel) + tier.allgather(4 * nch, torch.float32)
+            + tier.allreduce(numel * wire_dtype.itemsize, wire_dtype) + cc.decompress(numel))
 
 
 ALGORITHM_COSTS: dict[str, Callable] = {"allreduce": _t_allreduce, "allgather": _t_allgather,
                                         "two_phase": _t_two_phase, "shared_scale": _t_shared_scale}
 FAMILY_COSTS: dict[str, Callable] = {"allreduce": _t_allreduce, "allgather": _t_allgather,
                                      "two_phase": _t_two_phase, "shared_scale": _t_shared_scale}
+
+# local passes over the whole bucket that a compressed bucket pays and dense does not
+# (the hook's error-feedback add and update, the non-finite check, the copy of the result),
+# and the hierarchy's own (the node-local sum of the chunks, the copy for ``own``)
+HOOK_PASSES = 4
+HIER_PASSES = 2
+
+
+def wire_ops(algorithm: str, comp: Compressor | None, numel: int, dtype, tiers: dict,
+             local_size: int = 1, tier: str = "flat") -> list[tuple[str, str, str, int]]:
+    """``[(tier, op, dtype name, bytes)]``: the collectives one bucket issues (what to probe)."""
+    from .algorithms import ALGORITHMS
+
+    es = _itemsize(dtype)
+    if algorithm == "dense":
+        return [("flat", "allreduce", str(dtype), numel * es)]
+    if algorithm.startswith("hier_"):
+        if "inter" not in tiers:
+            return []
+        shard = -(-numel // local_size)
+        inner = wire_ops(algorithm[len("hier_"):], comp, shard, dtype, tiers, local_size, "inter")
+        return ([("intra", "all_to_all", str(dtype), local_size * shard * es)] + inner
+                + [("intra", "allgather", str(dtype), shard * es)])
+    family = algorithm if algorithm in FAMILY_COSTS else getattr(ALGORITHMS.get(algorithm), "family", None)
+    n = tiers[tier].world if tier in tiers else 1
+    u8 = str(torch.uint8)
+    if comp is None or n <= 1:
+        return []
+    if family == "allreduce":
+        return [(tier, "allreduce", str(payload_dtype(comp, dtype)), comp.wire_bytes(numel, dtype))]
+    if family == "allgather":
+        return [(tier, "allgather", u8, comp.wire_bytes(numel, dtype))]
+    if family == "two_phase":
+        m = -(-numel // n)
+        w = comp.wire_bytes(m, dtype)
+        return [(tier, "all_to_all", u8, n * w), (tier, "allgather", u8, w)]
+    if family == "shared_scale" and hasattr(comp, "bits"):
+        from .algorithms.shared_scale import shared_scale_levels
+
+        _, wdt = shared_scale_levels(comp.bits, n)
+        return [(tier, "allreduce", str(wdt), numel * wdt.itemsize)]
+    return []
 
 
 def _time(fn, reps: int) -> float:
@@ -180,11 +280,15 @@ class CostModel:
             only for a hierarchical topology).
         compute: compressor spec -> :class:`ComputeCost`.
         local_size: ranks per node (hierarchical shard count).
+        mem_per_element: seconds per element of one local elementwise pass (``c = a + b``)
+            over a bucket-sized fp32 buffer; compressed candidates pay :data:`HOOK_PASSES` of
+            them and hierarchical ones :data:`HIER_PASSES` more (0: not measured).
     """
 
     tiers: dict[str, TierCost]
     compute: dict[str, ComputeCost] = field(default_factory=dict)
     local_size: int = 1
+    mem_per_element: float = 0.0
 
     # -- measurement ------------------------------------------------------------------
     @classmethod
@@ -193,14 +297,13 @@ class CostModel:
         """Measure every tier of ``comm`` and every compressor; same result on all ranks.
 
         Collective over ``comm`` (and its ``intra``/``inter`` groups when it is a
-        :class:`~comms.topology.TieredCommunicator`). Re-runnable (links change).
+        :class:`~comms.topology.TieredCommunicator`). Re-runnable (links change). This is
+        the quick start-up probe (fp32 allreduces of two sizes); :meth:`refine` adds the
+        wire dtypes and bucket sizes actually used.
         """
         if len(sizes) != 2 or not 0 < sizes[0] < sizes[1]:
             raise ValueError(f"sizes must be two increasing byte counts, got {sizes!r}")
-        tiers = {"flat": comm}
-        intra, inter = getattr(comm, "intra", None), getattr(comm, "inter", None)
-        if intra is not None and inter is not None:
-            tiers["intra"], tiers["inter"] = intra, inter
+        tiers = _tier_comms(comm)
         compressors = list(compressors)
         vec = []
         for name, c in tiers.items():
@@ -216,30 +319,68 @@ class CostModel:
         for name, c in tiers.items():
             fitted[name] = TierCost.fit(name, c.world_size, sizes, vals[i: i + 2])
             i += 2
-        compute = {}
-        (n1, n2) = sample_numels
-        for comp in compressors:
-            c1, c2, d1, d2 = vals[i: i + 4]
-            i += 4
-            if not all(map(math.isfinite, (c1, c2, d1, d2))):  # timing failed on some rank
-                compute[comp.spec()] = ComputeCost(math.inf)
-                continue
-            cs, ds = max(0.0, (c2 - c1) / (n2 - n1)), max(0.0, (d2 - d1) / (n2 - n1))
-            compute[comp.spec()] = ComputeCost(max(0.0, c1 - cs * n1), cs, max(0.0, d1 - ds * n1), ds)
-        local_size = intra.world_size if "intra" in fitted else 1
+        compute = _fit_compute(compressors, sample_numels, vals[i:])
+        local_size = tiers["intra"].world_size if "intra" in fitted else 1
         model = cls(fitted, compute, local_size)
         logger.info("cost model: %s", model)
         return model
 
+    def refine(self, comm: Communicator, compressor: Compressor | None, buckets, algorithms,
+               *, cap_bytes: int = PROBE_CAP_BYTES, compute_numel: int = COMPUTE_NUMEL) -> "CostModel":
+        """A copy of this model with what the buckets will really use measured (collective).
+
+        For every ``(tier, collective, wire dtype)`` that a candidate issues for one of
+        ``buckets`` (``[(numel, dtype)]``), one timed collective at the largest such size
+        (capped at ``cap_bytes``, so one entry costs about one such collective); the
+        bandwidth is fitted with the tier's latency. Compute (compress/decompress and one
+        local pass) is re-timed at ``min(largest bucket, compute_numel)`` elements and an
+        eighth of that: realistic sizes, where caches do not flatter. One MAX over all ranks:
+        every rank holds the same numbers. ``buckets`` and ``algorithms`` must be the same on
+        every rank (they decide which collectives run).
+        """
+        tier_comms = _tier_comms(comm)
+        need: dict[tuple, int] = {}
+        for numel, dtype in buckets:
+            for a in ["dense", *algorithms]:
+                for tier, op, dt, nbytes in wire_ops(a, compressor, numel, dtype, self.tiers, self.local_size):
+                    if tier in tier_comms and tier_comms[tier].world_size > 1:
+                        need[(tier, op, dt)] = max(need.get((tier, op, dt), 0), int(nbytes))
+        entries = sorted(need.items())  # the same order on every rank
+        vec = []
+        for (tier, op, dt), nbytes in entries:
+            size = int(min(max(nbytes, 64 << 10), cap_bytes))
+            vec.append(_time_op(comm, tier_comms[tier], op, _DTYPES[dt], size))
+        big = max([n for n, _ in buckets] or [1 << 16])
+        n2 = int(max(1 << 16, min(big, compute_numel)))
+        numels = (max(1, n2 // 8), n2)
+        vec.append(_time_mem_pass(n2))
+        comps = [compressor] if compressor is not None else []
+        for comp in comps:
+            vec += _time_compute(comp, numels, 2)
+        vals = _allreduce_max(comm, torch.tensor(vec, dtype=torch.float64)).tolist()
+        tiers = dict(self.tiers)
+        for ((tier, op, dt), nbytes), t in zip(entries, vals):
+            base = tiers[tier]
+            size = int(min(max(nbytes, 64 << 10), cap_bytes))
+            link = max(t - base.alpha, 0.1 * t, 1e-9)  # noise must not make the link free
+            tiers[tier] = base.with_betas({(op, dt): TierCost.factor(op, base.world) * size / link})
+        mem = vals[len(entries)] / numels[1] if math.isfinite(vals[len(entries)]) else 0.0
+        compute = dict(self.compute)
+        compute.update(_fit_compute(comps, numels, vals[len(entries) + 1:]))
+        model = CostModel(tiers, compute, self.local_size, mem)
+        logger.info("cost model (refined at bucket sizes): %s", model)
+        return model
+
     # -- prediction ---------------------------------------------------------------------
     def dense(self, numel: int, dtype=torch.float32, tier: str = "flat") -> float:
-        return self.tiers[tier].allreduce(numel * _itemsize(dtype))
+        return self.tiers[tier].allreduce(numel * _itemsize(dtype), dtype)
 
     def predict(self, algorithm: str, compressor: Compressor | None, numel: int,
                 dtype=torch.float32) -> float:
         """Predicted seconds for one bucket: ``"dense"``, a flat algorithm, or ``hier_<alg>``."""
         if algorithm == "dense":
             return self.dense(numel, dtype)
+        passes = HOOK_PASSES * self.mem_per_element * numel
         if algorithm.startswith("hier_"):
             if "inter" not in self.tiers:
                 return math.inf
@@ -248,9 +389,9 @@ class CostModel:
             shard = -(-numel // L)
             es = _itemsize(dtype)
             intra = self.tiers["intra"]
-            return (intra.all_to_all(L * shard * es) + self._flat(inner, "inter", compressor, shard, dtype)
-                    + intra.allgather(shard * es))
-        return self._flat(algorithm, "flat", compressor, numel, dtype)
+            return (intra.all_to_all(L * shard * es, dtype) + self._flat(inner, "inter", compressor, shard, dtype)
+                    + intra.allgather(shard * es, dtype) + passes + HIER_PASSES * self.mem_per_element * numel)
+        return self._flat(algorithm, "flat", compressor, numel, dtype) + passes
 
     def _flat(self, algorithm, tier, compressor, numel, dtype):
         from .algorithms import ALGORITHMS
@@ -273,11 +414,41 @@ class CostModel:
         return out
 
     def __str__(self) -> str:
-        tiers = ", ".join(f"{t.name}(n={t.world}, alpha={t.alpha * 1e3:.2f} ms, beta={t.beta / 1e9:.3f} GB/s)"
-                          for t in self.tiers.values())
+        def betas(t):
+            if not t.betas:
+                return ""
+            return " [" + ", ".join(f"{op}/{dt.replace('torch.', '')} {b / 1e9:.3f}"
+                                    for (op, dt), b in sorted(t.betas.items())) + " GB/s]"
+
+        tiers = ", ".join(f"{t.name}(n={t.world}, alpha={t.alpha * 1e3:.2f} ms, beta={t.beta / 1e9:.3f} GB/s"
+                          f"{betas(t)})" for t in self.tiers.values())
         comp = ", ".join(f"{k}({v.compress_per_element * 1e9:.2f}+{v.decompress_per_element * 1e9:.2f} ns/el)"
                          for k, v in self.compute.items())
-        return f"CostModel[{tiers}; compute: {comp or '-'}]"
+        mem = f"; local pass {self.mem_per_element * 1e9:.2f} ns/el" if self.mem_per_element else ""
+        return f"CostModel[{tiers}; compute: {comp or '-'}{mem}]"
+
+
+def _tier_comms(comm: Communicator) -> dict[str, Communicator]:
+    tiers = {"flat": comm}
+    intra, inter = getattr(comm, "intra", None), getattr(comm, "inter", None)
+    if intra is not None and inter is not None:
+        tiers["intra"], tiers["inter"] = intra, inter
+    return tiers
+
+
+def _fit_compute(compressors, numels, vals) -> dict[str, ComputeCost]:
+    """ComputeCost per compressor from ``[c(n1), c(n2), d(n1), d(n2)]`` groups of ``vals``."""
+    out, i = {}, 0
+    (n1, n2) = numels
+    for comp in compressors:
+        c1, c2, d1, d2 = vals[i: i + 4]
+        i += 4
+        if not all(map(math.isfinite, (c1, c2, d1, d2))):  # timing failed on some rank
+            out[comp.spec()] = ComputeCost(math.inf)
+            continue
+        cs, ds = max(0.0, (c2 - c1) / (n2 - n1)), max(0.0, (d2 - d1) / (n2 - n1))
+        out[comp.spec()] = ComputeCost(max(0.0, c1 - cs * n1), cs, max(0.0, d1 - ds * n1), ds)
+    return out
 
 
 def _itemsize(dtype) -> int:
@@ -299,6 +470,34 @@ def _time_allreduce(flat: Communicator, c: Communicator, nbytes: int, reps: int)
     for _ in range(reps):
         c.all_reduce(buf).wait()
     return (time.perf_counter() - t0) / reps
+
+
+def _time_op(flat: Communicator, c: Communicator, op: str, dtype: torch.dtype, nbytes: int) -> float:
+    """Seconds of one ``op`` of ``nbytes`` of ``dtype`` on ``c`` (every group of the tier at once).
+
+    A warm-up op of an eighth of the size first (connections, dtype paths), then one timed op
+    at >= 1 MiB or the median of three below: a fixed count, the same on every rank.
+    """
+    numel = max(1, nbytes // dtype.itemsize)
+    if op == "all_to_all":
+        numel = max(c.world_size, numel - numel % c.world_size)
+    run = {"allreduce": c.all_reduce, "allgather": c.all_gather, "all_to_all": c.all_to_all}[op]
+    warm = torch.zeros(max(c.world_size, numel // 8 - (numel // 8) % c.world_size), dtype=dtype)
+    buf = torch.zeros(numel, dtype=dtype)
+    run(warm).wait()
+    flat.all_reduce(torch.zeros(1)).wait()  # line every rank up before timing
+    ts = []
+    for _ in range(1 if nbytes >= 1 << 20 else 3):
+        t0 = time.perf_counter()
+        run(buf).wait()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _time_mem_pass(numel: int) -> float:
+    """Seconds of one out-of-place ``c = a + b`` over ``numel`` fp32 (a local pass)."""
+    a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
+    return _time(lambda: torch.add(a, b, out=c), 3)
 
 
 def _time_compute(comp: Compressor, numels, reps: int) -> list[float]:

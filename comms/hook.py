@@ -32,6 +32,7 @@ import torch.distributed as dist
 from compressors import Context
 
 from .algorithms import get_algorithm
+from .autotune import flush_owner_residual_
 from .futures import completed
 from .state import CONFIG_FIELDS, BucketStats, CompressionState
 
@@ -111,15 +112,28 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     world = comm.world_size
     compressor = state.compressor
     name = state.algorithm_for(index, x.numel(), x.dtype)
+    # the auto planner may move a bucket between algorithms (autotune trials): residuals of
+    # the old one are added into the bucket once, so no gradient mass is lost
+    prev = state.planner.note_used(index, name) if state.planner is not None else None
+    switched = prev is not None and prev != name
     if name == "dense":  # the auto planner routes this bucket to the plain allreduce
         state.dense_calls += 1
-        fut = _guarded(dense_allreduce(state, x), _where(state, "dense allreduce", index, x.numel(),
-                                                         x.dtype, step))
-        return _enqueue(state, index, step, None, x, fut, scatter)
+        where = _where(state, "dense allreduce", index, x.numel(), x.dtype, step)
+        if not switched:
+            return _enqueue(state, index, step, None, x, _guarded(dense_allreduce(state, x), where), scatter)
+        x.div_(world)
+        if state.error_feedback:
+            state.memory.add_residual_(index, x)
+        flush_owner_residual_(x, state.algo_store.get(index, {}), prev, comm)
+        state.reset_bucket(index)
+        return _enqueue(state, index, step, None, x, _guarded(comm.all_reduce(x), where), scatter)
     alg = get_algorithm(name)
     x.div_(world)
     if state.error_feedback:
         state.memory.add_residual_(index, x)
+    if switched:
+        flush_owner_residual_(x, state.algo_store.get(index, {}), prev, comm)
+        state.algo_store.pop(index, None)  # stores belong to one algorithm
     # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce
     flag = ~torch.isfinite(x.sum(dtype=torch.float64))
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
@@ -342,6 +356,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
             # first call: every rank is here and nothing is in flight — discover the topology,
             # build its groups and probe the links (collective), once
             comm = state.communicator = state.planner.setup(comm, state.process_group)
+        if index == 0:  # DDP launches bucket 0 first, after the last step's futures were waited
+            state.planner.begin_step(step, state.start_iter, buf.numel(), buf.dtype)
         state.planner.observe(index, buf.numel(), buf.dtype, bucket)
     if comm.world_size == 1 or buf.numel() == 0:
         fut = completed(buf)  # nothing to exchange: the average of one is itself

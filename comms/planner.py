@@ -12,6 +12,14 @@ with several ranks each. Small buckets (``numel < min_numel``) and buckets of on
 tensors (biases, norms) go dense without asking the model. A compressed candidate must beat
 dense by ``margin`` (the model does not see memory traffic or lost overlap).
 
+Two measurements make the decision. At the first compressed step (bucket 0, nothing in
+flight) the start-up model is *refined* at the sizes and wire dtypes the observed buckets
+really use (:meth:`~comms.cost_model.CostModel.refine`). Then, with ``autotune`` (the
+default), the :class:`~comms.autotune.Autotuner` runs all-dense and the model's best few
+plans for a few steps each, times the real steps, agrees on the times across ranks and locks
+in the fastest (dense unless a compressed plan is >= 3% faster). The locked rule is saved in
+the hook state's ``state_dict`` (a resumed run does not re-tune; ``state.retune()`` does).
+
 Example::
 
     >>> state = comms.register(ddp_model, "qsgd:bits=4")        # algorithm="auto" by default
@@ -25,18 +33,20 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 import torch
 
 from compressors import Compressor
 
+from .autotune import MODEL, Autotuner
 from .communicator import Communicator, TorchCommunicator
-from .cost_model import PROBE_SIZES, CostModel
+from .cost_model import PROBE_SIZES, CostModel, _allreduce_max
 from .topology import Topology
 
-__all__ = ["Planner", "Plan", "PlanRow", "DENSE"]
+__all__ = ["Planner", "Plan", "PlanRow", "DENSE", "MODEL"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +59,18 @@ class PlanRow:
     numel: int
     dtype: torch.dtype
     nbytes: int
-    chosen: str
+    chosen: str  # what the bucket runs now (under the autotuner's rule)
     reason: str
     predicted: dict = field(default_factory=dict)  # candidate -> seconds
+    model_choice: str = ""  # the cost model's own pick (``chosen`` without a tuner)
 
 
 class Plan:
     """The per-bucket decisions so far; ``str(plan)`` is the table logged once."""
 
-    def __init__(self, rows: Sequence[PlanRow], model: CostModel | None, topology: Topology | None):
-        self.rows, self.model, self.topology = list(rows), model, topology
+    def __init__(self, rows: Sequence[PlanRow], model: CostModel | None, topology: Topology | None,
+                 tuner: Autotuner | None = None):
+        self.rows, self.model, self.topology, self.tuner = list(rows), model, topology, tuner
 
     def __iter__(self):
         return iter(self.rows)
@@ -80,8 +92,13 @@ class Plan:
         lines = [head + "  (predicted ms)"]
         for r in self.rows:
             cells = " ".join(f"{r.predicted[n] * 1e3:>15.2f}" if n in r.predicted else f"{'-':>15}" for n in names)
+            note = r.reason if r.reason != "cheapest" else ""
+            if r.model_choice and r.model_choice != r.chosen:
+                note = (note + "; " if note else "") + f"model: {r.model_choice}"
             lines.append(f"{r.bucket:>6} {r.numel:>11} {r.nbytes:>12} {r.chosen:>16}  {cells}"
-                         + (f"  [{r.reason}]" if r.reason != "cheapest" else ""))
+                         + (f"  [{note}]" if note else ""))
+        if self.tuner is not None:
+            lines.append(str(self.tuner))
         if self.topology is not None:
             lines.append(f"topology: nodes={self.topology.nodes}")
         if self.model is not None:
@@ -109,6 +126,11 @@ class Planner:
         probe: measure a cost model in :meth:`setup` (off: topology and groups only, for an
             explicitly chosen ``hier_`` algorithm).
         probe_sizes, probe_reps: the probe's two allreduce sizes (bytes) and repetitions.
+        autotune: time real steps of the best few plans and lock in the fastest (only with
+            ``probe``); off: the cost model's choice is final.
+        autotune_steps: steps per trial (>= 2; the first of each is not counted).
+        autotune_trials: compressed plans tried besides all-dense.
+        prefer_dense: a compressed plan must measure at least this much faster than dense.
 
     .. warning::
         :meth:`setup` is collective (node-name allgather, ``new_group``, probe). The hook
@@ -121,13 +143,18 @@ class Planner:
                  node: str | None = None, cost_model: CostModel | None = None,
                  algorithms: Iterable[str] | None = None, min_numel: int = 1 << 14,
                  margin: float = 0.1, hierarchical: bool = True, probe: bool = True,
-                 probe_sizes=PROBE_SIZES, probe_reps: int = 3):
+                 probe_sizes=PROBE_SIZES, probe_reps: int = 3, autotune: bool = True,
+                 autotune_steps: int = 3, autotune_trials: int = 3, prefer_dense: float = 0.03):
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
         if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {margin!r}")
         if node is not None and not isinstance(node, str):
             raise TypeError(f"node must be a str, got {type(node).__name__}")
+        if not isinstance(autotune, bool):
+            raise TypeError(f"autotune must be True or False, got {autotune!r}")
+        tuner = Autotuner(autotune_steps, autotune_trials, prefer_dense)  # validates the options
+        self.tuner = tuner if autotune and probe else None
         self.compressor = compressor
         self.topology = topology
         self.node = node
@@ -148,6 +175,12 @@ class Planner:
         self.ready = False
         self._rows: dict[tuple, PlanRow] = {}
         self._logged = False
+        self._own_model = False  # the model came from our probe (refine it at bucket sizes)
+        self._refined = False
+        self._seen_prev: list[tuple] = []  # bucket keys of the previous step
+        self._seen_cur: list[tuple] = []
+        self._saved: dict[tuple, str] = {}  # restored decisions of a locked plan
+        self._used: dict[int, str] = {}  # bucket index -> algorithm it ran last
 
     # -- setup (collective) ---------------------------------------------------------------
     def setup(self, comm: Communicator, process_group=None) -> Communicator:
@@ -174,8 +207,69 @@ class Planner:
         if self.model is None and self.probe and comm.world_size > 1:
             self.model = CostModel.probe(self.comm, [self.compressor], sizes=self.probe_sizes,
                                          reps=self.probe_reps)
+            self._own_model = True
         self.ready = True
         return self.comm
+
+    # -- per step (collective at bucket 0) --------------------------------------------------
+    def begin_step(self, step: int, start_iter: int, numel: int, dtype: torch.dtype) -> None:
+        """The hook's call for bucket 0 of every step, on every rank (nothing in flight).
+
+        From ``start_iter`` on: refine the model at the buckets' real sizes once (collective),
+        then let the autotuner pick this step's rule (its decision ends in one collective).
+        """
+        now = time.perf_counter()  # first: the step's clock must not include our probes
+        self._seen_prev, self._seen_cur = self._seen_cur, []
+        if step < start_iter or not self.ready:
+            return
+        locked = self.tuner is not None and self.tuner.locked
+        if self._own_model and not self._refined and not locked and self.comm is not None:
+            buckets = {(n, dt) for (_, n, dt) in self._seen_prev} | {(numel, dtype)}
+            self._refined = True
+            self.model = self.model.refine(self.comm, self.compressor,
+                                           sorted(buckets, key=lambda b: (b[0], str(b[1]))),
+                                           self.candidate_names())
+            self._rows.clear()
+        if self.tuner is None:
+            return
+        was_locked = self.tuner.locked
+        keys = list(dict.fromkeys(self._seen_prev + [(0, numel, dtype)]))
+        self.tuner.begin_step(step, now, lambda: self._propose(keys), self._agree)
+        if self.tuner.locked and not was_locked:
+            if self.comm is None or self.comm.rank == 0:
+                logger.info("commpress autotune (step %d):\n%s", step, self.tuner)
+            self._logged = False  # log the plan again under the locked rule
+
+    def _agree(self, values: list[float]) -> list[float]:
+        return _allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64)).tolist()
+
+    def _propose(self, keys) -> list[str]:
+        """Compressed rules, best predicted first, distinct on the given buckets."""
+        if self.model is None:
+            return []
+        rows = [self._row(k) for k in keys]
+        options = []
+        for order, rule in enumerate([MODEL, *self.candidate_names()]):
+            assign = tuple(self._apply(rule, r) for r in rows)
+            total = sum(r.predicted.get(a, math.inf) for r, a in zip(rows, assign))
+            options.append((total, order, rule, assign))
+        seen = {tuple(DENSE for _ in rows)}
+        out = []
+        for total, _, rule, assign in sorted(options):
+            if assign in seen or not math.isfinite(total):
+                continue
+            seen.add(assign)
+            out.append(rule)
+        return out
+
+    def retune(self) -> None:
+        """Measure and tune again from the next step (call on every rank before the same step)."""
+        if self.tuner is None:
+            raise ValueError("this planner has no autotuner (autotune=False or not algorithm='auto')")
+        self.tuner.reset()
+        self._saved.clear()
+        self._refined = False
+        self._logged = False
 
     def reprobe(self) -> CostModel:
         """Measure again (collective) and forget the plan (links may have changed)."""
@@ -206,12 +300,16 @@ class Planner:
     def observe(self, bucket_index: int, numel: int, dtype: torch.dtype, bucket) -> None:
         """Remember the tensor ranks of a DDP bucket not planned yet (for the 1-D rule)."""
         key = (bucket_index, numel, dtype)
+        self._seen_cur.append(key)
         if key not in self._rows and key not in self._ndims:
             self._ndims[key] = [p.dim() for p in bucket.parameters()]
 
     def choose(self, bucket_index: int, numel: int, dtype: torch.dtype = torch.float32,
                ndims: Sequence[int] | None = None) -> str:
-        """The algorithm name for a bucket, or ``"dense"`` (route to the plain allreduce).
+        """The algorithm for a bucket in this step, or ``"dense"`` (the plain allreduce).
+
+        Pure arithmetic on numbers every rank holds identically (the agreed model and the
+        autotuner's rule), so every rank picks the same.
 
         Args:
             bucket_index, numel, dtype: the bucket.
@@ -219,17 +317,35 @@ class Planner:
                 1-D tensors goes dense.
         """
         key = (bucket_index, numel, dtype)
-        row = self._rows.get(key)
-        if row is not None:
-            if not self._logged:  # a repeated bucket: the first planned iteration is complete
-                self._logged = True
-                logger.info("commpress plan:\n%s", self.plan)
-            return row.chosen
+        if key in self._rows and not self._logged:  # a repeated bucket: the step is planned
+            self._logged = True
+            logger.info("commpress plan:\n%s", self.plan)
         if not self.ready:  # before setup (e.g. a config check): decide nothing yet
             return DENSE
-        row = self._decide(bucket_index, numel, dtype, ndims if ndims is not None else self._ndims.get(key))
-        self._rows[key] = row
-        return row.chosen
+        rule = self.tuner.rule if self.tuner is not None else None
+        if key in self._saved:  # a restored locked plan: exactly what the saved run ran
+            return self._saved[key]
+        return self._apply(rule or MODEL, self._row(key, ndims))
+
+    def _row(self, key, ndims=None) -> PlanRow:
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = self._decide(*key, ndims if ndims is not None else self._ndims.get(key))
+        return row
+
+    def _apply(self, rule: str, row: PlanRow) -> str:
+        """What ``rule`` runs for the bucket of ``row``."""
+        if rule == MODEL:
+            return row.chosen
+        if rule == DENSE or row.reason != "cheapest" or rule not in row.predicted:
+            return DENSE  # small, 1-D, unplanned buckets, or not a candidate here
+        return rule
+
+    def note_used(self, bucket_index: int, algorithm: str) -> str | None:
+        """Record what a bucket runs now; returns what it ran before (``None``: first time)."""
+        prev = self._used.get(bucket_index)
+        self._used[bucket_index] = algorithm
+        return prev
 
     def _decide(self, bucket_index, numel, dtype, ndims) -> PlanRow:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -254,7 +370,42 @@ class Planner:
 
     @property
     def plan(self) -> Plan:
-        return Plan(sorted(self._rows.values(), key=lambda r: (r.bucket, r.numel)), self.model, self.topology)
+        rule = (self.tuner.rule if self.tuner is not None else None) or MODEL
+        rows = []
+        for r in sorted(self._rows.values(), key=lambda r: (r.bucket, r.numel)):
+            key = (r.bucket, r.numel, r.dtype)
+            now = self._saved[key] if key in self._saved else self._apply(rule, r)
+            rows.append(replace(r, chosen=now, model_choice=r.chosen))
+        return Plan(rows, self.model, self.topology, self.tuner)
+
+    # -- checkpointing ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The autotuner's decision and the per-bucket choices under it (plain values)."""
+        rule = (self.tuner.rule if self.tuner is not None else None) or MODEL
+        decisions = [[b, n, str(dt), self._apply(rule, r)] for (b, n, dt), r in sorted(
+            self._rows.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2])))]
+        decisions += [[b, n, str(dt), a] for (b, n, dt), a in self._saved.items()
+                      if (b, n, dt) not in self._rows]
+        return {"autotune": None if self.tuner is None else self.tuner.state_dict(),
+                "decisions": decisions}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a locked plan (a resumed run does not re-tune; :meth:`retune` does)."""
+        from .algorithms import ALGORITHMS
+
+        if not isinstance(sd, dict):
+            raise TypeError(f"planner state must be a dict from Planner.state_dict(), got {sd!r}")
+        saved = {}
+        for row in sd.get("decisions", []):
+            b, n, dt, a = row
+            if a != DENSE and a not in ALGORITHMS and not a.startswith("hier_"):
+                raise ValueError(f"saved plan names unknown algorithm {a!r}")
+            saved[(int(b), int(n), getattr(torch, str(dt).replace("torch.", "")))] = str(a)
+        tuned = sd.get("autotune")
+        if self.tuner is not None and tuned is not None:
+            self.tuner.load_state_dict(tuned)  # validates before changing anything
+        self._saved = saved if (self.tuner is not None and self.tuner.locked) else {}
+        self._logged = False
 
     def __getstate__(self):
         st = dict(self.__dict__)

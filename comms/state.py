@@ -106,6 +106,9 @@ class CompressionState:
             goes through :meth:`algorithm_for`.
         seed: shared seed of the hash RNG streams (must match on all ranks).
         min_compress_numel: buckets smaller than this go dense (latency dominates).
+        autotune: with ``algorithm="auto"``: time the best few plans on real steps and lock in
+            the fastest (:mod:`comms.autotune`); ``False``: the cost model's choice is final.
+        autotune_steps: steps per autotune trial (>= 2).
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -133,7 +136,7 @@ class CompressionState:
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
-                 min_compress_numel: int = 0):
+                 min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 3):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
@@ -171,7 +174,10 @@ class CompressionState:
             # auto: the cost-model planner picks per bucket; hier_*: it supplies the topology
             from .planner import Planner
 
-            self.planner = Planner(self.compressor, probe=algorithm == "auto")
+            self.planner = Planner(self.compressor, probe=algorithm == "auto", autotune=autotune,
+                                   autotune_steps=autotune_steps)
+        elif not isinstance(autotune, bool):
+            raise TypeError(f"autotune must be True or False, got {autotune!r}")
         alg = None if algorithm == "auto" else get_algorithm(algorithm)
         if alg is not None and not self.compressor.supports(alg.family):
             raise ValueError(f"algorithm {algorithm!r} needs the {alg.family!r} family, which "
@@ -216,6 +222,13 @@ class CompressionState:
         if self.algorithm == "auto":
             return self.planner.choose(bucket_index, numel, dtype)
         return self.algorithm
+
+    def retune(self) -> None:
+        """Autotune again from the next step (``algorithm="auto"``; call on every rank before
+        the same step, e.g. after the links changed)."""
+        if self.planner is None or self.algorithm != "auto":
+            raise ValueError(f"retune() needs algorithm='auto', this state uses {self.algorithm!r}")
+        self.planner.retune()
 
     @property
     def plan(self):
@@ -303,6 +316,8 @@ class CompressionState:
             "algo_store": {int(b): _plain(d, f"algo_store[{b}]") for b, d in self.algo_store.items()},
             "layouts": {int(b): [str(k) for k in lay] for b, lay in self.layouts.items()},
             "nonfinite_buckets": self.nonfinite_buckets,
+            # the auto planner's locked plan: a resumed run does not re-tune
+            "planner": self.planner.state_dict() if self.algorithm == "auto" else None,
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
@@ -320,6 +335,8 @@ class CompressionState:
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this hook uses {self.algorithm!r}")
+        if self.algorithm == "auto" and sd.get("planner") is not None:
+            self.planner.load_state_dict(sd["planner"])  # validates before changing anything
         self.iter = int(sd["iter"])
         self.seed = int(sd.get("seed", self.seed))
         self.memory.load_state_dict(sd.get("memory", {}), device=device)
