@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None):
               f"process group) on netsim hosts whose links are shaped to that rate each way; "
               f"median of {args.steps} steps after warm-up, in ms; `x@rate` is the speedup over "
               f"dense allreduce at that rate. wire_MB: bytes each rank sends per step.", ""]
+        # the cores are shared: say how busy they were at the end of each rate's run
+        md += ["Machine at the end of each rate: " + "; ".join(
+            f"{label}: {res['meta']['machine'].rsplit(', ', 1)[-1]}" for label, res in results.items()), ""]
         md += [f"Skipped: {what} — {why}" for what, why in meta.get("skipped", [])] + [""]
         md.append(_common.format_table(rows, cols, markdown=True))
         if png:
