@@ -126,6 +126,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             state.memory.add_residual_(index, x)
         flush_owner_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.reset_bucket(index)
+        state.stats.pop(index, None)  # stats describe compressed buckets only
         return _enqueue(state, index, step, None, x, _guarded(comm.all_reduce(x), where), scatter)
     alg = get_algorithm(name)
     x.div_(world)
