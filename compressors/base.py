@@ -16,6 +16,7 @@ seed) — except ``rank``, which only private randomness (stochastic rounding) m
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Sequence
@@ -23,7 +24,7 @@ from typing import ClassVar, Sequence
 import torch
 
 __all__ = ["Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
-           "Workspace", "block_elems", "chunk_pieces", "numpy_view"]
+           "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,30 @@ def block_elems(device: torch.device) -> int:
     Elsewhere (CUDA) blocks are larger still, so that few kernels are launched.
     """
     return 1 << 19 if torch.device(device).type == "cpu" else 1 << 22
+
+
+_HUGE_MIN_BYTES = 2 << 20  # one transparent huge page
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+def fresh_empty(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A new, uninitialised 1-D tensor that nothing else references (payloads, outputs).
+
+    On Linux CPU, tensors of 2 MB and more come from their own anonymous mmap advised for
+    transparent huge pages (freed with the tensor): the first touch of a fresh 25 MB payload
+    then costs ~3 ms of page faults instead of ~10 ms with 4 KB pages (100 MB: ~20 ms
+    instead of ~70 ms, measured under load on the 2-core dev box). Elsewhere ``torch.empty``.
+    """
+    nbytes = n * dtype.itemsize
+    if (_MADV_HUGEPAGE is None or nbytes < _HUGE_MIN_BYTES
+            or torch.device(device).type != "cpu"):
+        return torch.empty(n, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(_MADV_HUGEPAGE)
+    except OSError:  # pragma: no cover - kernels without THP: plain pages
+        pass
+    return torch.frombuffer(buf, dtype=dtype, count=n)
 
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int32, torch.int64,

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Compressor, check_input
+from .base import Compressor, check_input, fresh_empty
 
 __all__ = ["Cast"]
 
@@ -25,10 +25,13 @@ class Cast(Compressor):
         check_input(x)
         if x.dtype == self.wire_dtype:
             return [x]
-        return [x.to(self.wire_dtype)]
+        return [fresh_empty(x.numel(), self.wire_dtype, x.device).view(x.shape).copy_(x)]
 
     def decompress(self, payload, ctx):
-        return payload[0].to(ctx.dtype)
+        p = payload[0]
+        if p.dtype == ctx.dtype:
+            return p
+        return fresh_empty(p.numel(), ctx.dtype, p.device).view(p.shape).copy_(p)
 
     def decompress_into(self, payload, ctx, out):
         p = payload[0]

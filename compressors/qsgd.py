@@ -30,7 +30,7 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, check_chunk, check_input, chunk_pieces
+from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty
 from .bitpack import check_bits, pack, packed_nbytes, unpack
 from .hashrng import add_uniform_, stream_key
 from .registry import register
@@ -149,7 +149,7 @@ class QSGD(Compressor):
         c, bits, M = self.chunk, self.bits, self.levels
         nch = self.nchunks(n)
         s = torch.zeros(nch, dtype=torch.float32, device=dev)
-        packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
+        packed = fresh_empty(packed_nbytes(n, bits), torch.uint8, dev)
         if n == 0:
             return [s, packed]
         key = stream_key(ctx.seed, ctx.step, ctx.bucket, ctx.rank)
@@ -242,7 +242,7 @@ class QSGD(Compressor):
             lambda b0, b1, f: self._decode_block(s, w, packed, b0, b1, f, ws))
 
     def decompress(self, payload, ctx):
-        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=payload[1].device)
+        out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
         return self._decode(payload, ctx, out, accumulate=False)
 
     def decompress_into(self, payload, ctx, out):

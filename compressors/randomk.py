@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .base import Compressor, check_density, check_input
+from .base import Compressor, check_density, check_input, fresh_empty
 from .hashrng import SHARED, lowbias32_int, stream_key
 from .registry import register
 
@@ -95,7 +95,7 @@ class RandomK(Compressor):
         return [x[self.indices(ctx)]]
 
     def decompress(self, payload, ctx):
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payload[0].device)
+        out = fresh_empty(ctx.numel, ctx.dtype, payload[0].device).zero_()
         out[self.indices(ctx)] = payload[0].to(ctx.dtype)
         return out
 

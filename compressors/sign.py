@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, check_chunk, check_input, chunk_pieces, numpy_view
+from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
 from .registry import register
 
@@ -101,7 +101,7 @@ class ScaledSign(Compressor):
         x = x.reshape(-1)
         n, c, dev = x.numel(), self.chunk, x.device
         s = torch.empty(self.nchunks(n), dtype=torch.float32, device=dev)
-        packed = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8, device=dev)
+        packed = fresh_empty(packed_nbytes(n, 1), torch.uint8, dev)
         if n == 0:
             return [s, packed]
         B = self.block_for(dev)
@@ -157,7 +157,7 @@ class ScaledSign(Compressor):
         return self._decode_blocks(ctx, out, accumulate, packed.device, block)
 
     def decompress(self, payload, ctx):
-        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=payload[1].device)
+        out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
         return self._decode(payload, ctx, out, accumulate=False)
 
     def decompress_into(self, payload, ctx, out):

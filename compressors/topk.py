@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from .base import Compressor, check_density, check_input, numpy_view
+from .base import Compressor, check_density, check_input, fresh_empty, numpy_view
 from .hashrng import stream_key, lowbias32_int
 from .registry import register
 
@@ -129,7 +129,7 @@ class TopK(Compressor):
                 torch.from_numpy(cat(abs_parts)), torch.from_numpy(cat(x_parts)))
 
     def decompress(self, payload, ctx):
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payload[0].device)
+        out = fresh_empty(ctx.numel, ctx.dtype, payload[0].device).zero_()
         return self.decompress_add_(payload, ctx, out)
 
     def decompress_into(self, payload, ctx, out):

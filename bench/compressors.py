@@ -1,0 +1,213 @@
+"""CPU speed of the compressors against one tensor copy, torch.topk and a naive quantizer.
+
+One process, one thread (``torch.set_num_threads(1)``), one run: every case is timed in the
+same run, round robin (case A, B, C, ..., then again), so load from other processes on the
+machine hits all of them alike; each time is the median of ``--reps`` repetitions after one
+warm-up call (which allocates the compressors' reused scratch buffers).
+
+Cases on ``--n`` fp32 values (default 25M = 100 MB):
+
+* ``copy``: ``buf.copy_(x)`` into a preallocated buffer, the unit of the ratios;
+* ``qsgd8`` / ``qsgd4`` / ``sign``: ``compress`` (fresh payload tensors, as the hook needs)
+  + ``decompress_into`` a preallocated fp32 buffer; ``qsgd8 fresh`` decodes with
+  ``decompress`` instead (a fresh 100 MB result: page faults included);
+* ``naive q8``: 8-bit stochastic quantization written the obvious way in torch (one max-abs
+  scale, ``rand_like`` for the rounding) + its decode;
+* ``torch.topk``: ``torch.topk(x.abs(), k, sorted=False)`` for k = 1%;
+* ``topk approx``: ``TopK(0.01, exact=False).compress`` (sampled threshold) + decode into a
+  preallocated buffer; ``topk exact`` is ``TopK(0.01)`` (torch.topk inside) the same way.
+
+Usage::
+
+    python bench/compressors.py                      # print the table
+    python bench/compressors.py --out bench/results/compressors.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from compressors import QSGD, Context, ScaledSign, TopK  # noqa: E402
+
+BENCH_LOCK = "/tmp/bench.lock"  # the lock the other benches take: one bench at a time
+
+
+@contextlib.contextmanager
+def bench_lock(path: str = BENCH_LOCK):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"# waiting for {path}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def naive_q8(x: torch.Tensor):
+    """8-bit stochastic quantization the obvious way: temporaries everywhere, rand_like."""
+    s = x.abs().max()
+    t = x / s * 127.5 + 127.5
+    q = (t + torch.rand_like(t)).floor().clamp(0, 255).to(torch.uint8)
+    return s, q
+
+
+def naive_dq8(s, q):
+    return q.float() * (2 * s / 255) - s
+
+
+def cases(n: int):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g)
+    buf = torch.empty_like(x)
+    out = torch.empty_like(x)
+    k = max(1, n // 100)
+    step = [0]
+
+    def ctx():
+        step[0] += 1  # a fresh hash stream every call, as in training
+        return Context.of(x, step=step[0], rank=1)
+
+    def roundtrip(c):
+        def run():
+            cx = ctx()
+            c.decompress_into(c.compress(x, cx), cx, out)
+        return run
+
+    def roundtrip_fresh(c):
+        def run():
+            cx = ctx()
+            c.decompress(c.compress(x, cx), cx)
+        return run
+
+    def compress_only(c):
+        return lambda: c.compress(x, ctx())
+
+    return [
+        ("copy", "buf.copy_(x), preallocated", lambda: buf.copy_(x)),
+        ("qsgd8", "QSGD(8) compress + decompress_into", roundtrip(QSGD(8))),
+        ("qsgd8 compress", "QSGD(8) compress only", compress_only(QSGD(8))),
+        ("qsgd8 fresh", "QSGD(8) compress + decompress (fresh output)", roundtrip_fresh(QSGD(8))),
+        ("qsgd4", "QSGD(4) compress + decompress_into", roundtrip(QSGD(4))),
+        ("sign", "ScaledSign compress + decompress_into", roundtrip(ScaledSign())),
+        ("naive q8", "torch 8-bit, rand_like rounding, + decode",
+         lambda: naive_dq8(*naive_q8(x))),
+        ("torch.topk", "torch.topk(x.abs(), 1%)", lambda: torch.topk(x.abs(), k, sorted=False)),
+        ("topk exact", "TopK(0.01) compress + decompress_into", roundtrip(TopK(0.01))),
+        ("topk approx", "TopK(0.01, exact=False) compress + decompress_into",
+         roundtrip(TopK(0.01, exact=False))),
+        ("topk approx compress", "TopK(0.01, exact=False) compress only",
+         compress_only(TopK(0.01, exact=False))),
+    ]
+
+
+def measure(n: int, reps: int, only: set | None = None):
+    todo = [c for c in cases(n) if not only or c[0] in only or c[0] == "copy"]
+    times = {name: [] for name, _, _ in todo}
+    for _, _, fn in todo:  # warm-up: allocates the reused scratch buffers
+        fn()
+    for _ in range(reps):
+        for name, _, fn in todo:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return [(name, what, statistics.median(times[name]) * 1e3, min(times[name]) * 1e3)
+            for name, what, _ in todo]
+
+
+def facts() -> list[str]:
+    cpu = platform.processor() or "cpu"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    return [
+        f"CPU: {cpu}, nproc {os.cpu_count()}, torch {torch.__version__}, numpy {np.__version__}, "
+        f"Python {platform.python_version()}",
+        f"torch threads {torch.get_num_threads()} (set_num_threads(1)); "
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')} (left as they were)",
+    ]
+
+
+def table(rows) -> tuple[str, dict]:
+    copy = next(r[2] for r in rows if r[0] == "copy")
+    by = {r[0]: r[2] for r in rows}
+    lines = ["| case | what | median ms | min ms | x copy |", "|---|---|---:|---:|---:|"]
+    for name, what, med, mn in rows:
+        lines.append(f"| {name} | {what} | {med:.1f} | {mn:.1f} | {med / copy:.2f} |")
+    ratios = {}
+    if "qsgd8" in by:
+        ratios["QSGD 8-bit compress+decompress / copy (target <= 6)"] = by["qsgd8"] / copy
+    if "qsgd4" in by:
+        ratios["QSGD 4-bit compress+decompress / copy"] = by["qsgd4"] / copy
+    if "sign" in by:
+        ratios["sign compress+decompress / copy"] = by["sign"] / copy
+    if "naive q8" in by and "qsgd8" in by:
+        ratios["naive torch 8-bit / QSGD 8-bit (speedup)"] = by["naive q8"] / by["qsgd8"]
+    if "torch.topk" in by and "topk approx compress" in by:
+        ratios["torch.topk / TopK(exact=False) compress (target >= 5)"] = (
+            by["torch.topk"] / by["topk approx compress"])
+    if "torch.topk" in by and "topk approx" in by:
+        ratios["torch.topk / TopK(exact=False) compress+decompress"] = (
+            by["torch.topk"] / by["topk approx"])
+    return "\n".join(lines), ratios
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=float, default=25e6, help="fp32 values (default 25e6)")
+    ap.add_argument("--reps", type=int, default=7, help="repetitions per case (median)")
+    ap.add_argument("--only", default="", help="comma-separated case names (copy always runs)")
+    ap.add_argument("--out", default="", help="also write a markdown report here")
+    ap.add_argument("--no-lock", action="store_true", help=f"do not wait for {BENCH_LOCK}")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    n = int(args.n)
+    only = {s.strip() for s in args.only.split(",") if s.strip()} or None
+    with contextlib.nullcontext() if args.no_lock else bench_lock():
+        load0 = os.getloadavg()[0]
+        t0 = time.time()
+        rows = measure(n, args.reps, only)
+        load1 = os.getloadavg()[0]
+    tbl, ratios = table(rows)
+    cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:]))
+    head = facts() + [
+        f"n = {n} fp32 values ({n * 4 / 1e6:.0f} MB), median of {args.reps} after a warm-up, "
+        f"cases interleaved; {time.time() - t0:.0f} s; 1-min load average {load0:.1f} at the "
+        f"start, {load1:.1f} at the end (other processes share the cores)",
+    ]
+    ratio_lines = [f"{k}: {v:.2f}" for k, v in ratios.items()]
+    print("\n".join("# " + h for h in head))
+    print(tbl)
+    print("\n".join(ratio_lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# Compressor speed on CPU (one thread)\n\n")
+            f.write(f"Command (repository root):\n\n```\n{cmd}\n```\n\n")
+            f.write("\n".join(f"- {h}" for h in head) + "\n\n")
+            f.write(tbl + "\n\n")
+            f.write("Ratios (medians):\n\n" + "\n".join(f"- {r}" for r in ratio_lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
