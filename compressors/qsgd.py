@@ -190,9 +190,8 @@ class QSGD(Compressor):
             tb.add_(half)
             hb = h[:L]
             add_uniform_(tb, b0, key, hb, tmp[:L], v[:L], iota)
-            # q = clamp(floor(t), 0, M): clamping first and truncating toward zero gives the
-            # same integers (t > -1 always), and float -> int32 -> uint8 is 3x faster than
-            # float -> uint8 in torch on CPU
+            # q = clamp(floor(t), 0, M): clamping first and then truncating toward zero (the
+            # float -> integer cast) gives the same integers, as t > -1 always
             tb.clamp_(0, M)
             codes = packed[b0:b1] if bits == 8 else ws.get("codes", cap, torch.uint8, dev)[:L]
             _to_codes(tb, hb, codes)

@@ -139,3 +139,39 @@ def test_copy_pickle_and_threads(c):
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("c", [QSGD(8), ScaledSign(), FP16(), TopK(0.5), RandomK(0.5)], ids=repr)
+def test_large_payloads_and_outputs_are_fresh(c):
+    """Payloads/outputs >= 2 MB come from their own huge-page mmaps: nothing aliases them, a
+    later call does not overwrite them, they outlive the compressor and pickle fine."""
+    n = 3_000_000
+    x1, x2 = _x(n, torch.float32, seed=1), _x(n, torch.float32, seed=2)
+    ctx = Context.of(x1)
+    p1 = c.compress(x1, ctx)
+    d1 = c.decompress(p1, ctx)
+    keep = [t.clone() for t in p1], d1.clone()
+    p2 = c.compress(x2, ctx)
+    d2 = c.decompress(p2, ctx)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(p1, p2) if a.numel())
+    assert d1.data_ptr() != d2.data_ptr()
+    del c
+    assert all(torch.equal(a, b) for a, b in zip(p1, keep[0])) and torch.equal(d1, keep[1])
+    d1.add_(1.0)  # writable
+    assert all(torch.equal(a, b) for a, b in zip(pickle.loads(pickle.dumps(p1)), p1))
+
+
+def test_decompress_into_odd_outputs():
+    q = QSGD(4, 100)
+    x = _x(1000, torch.float32)
+    ctx = Context.of(x)
+    p = q.compress(x, ctx)
+    want = q.decompress(p, ctx)
+    big = torch.zeros(2000)
+    strided = big[::2]  # not contiguous: falls back to copy_(decompress(...))
+    q.decompress_into(p, ctx, strided)
+    assert torch.equal(strided, want) and not big[1::2].any()
+    shaped = torch.empty(10, 100)
+    assert torch.equal(q.decompress_into(p, ctx, shaped).view(-1), want)
+    with pytest.raises(RuntimeError):
+        q.decompress_into(p, ctx, torch.empty(999))
