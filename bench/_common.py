@@ -38,7 +38,11 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
+# the repository root goes first: bench/ (the script's directory, sys.path[0]) holds modules
+# such as bench/compressors.py that would otherwise shadow the packages of the same name
+if sys.path[:1] != [ROOT]:
+    while ROOT in sys.path:
+        sys.path.remove(ROOT)
     sys.path.insert(0, ROOT)
 
 __all__ = [

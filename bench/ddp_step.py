@@ -230,6 +230,10 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
     it = _common.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
     for cfg in it:
         rows.append(measure(cfg, args, rank, world, profile=cfg.name in profiled))
+    if args.repeat_dense and len(configs) > 1:  # drift check: the shared cores change load
+        again = measure(configs[0], args, rank, world)
+        again["hook"] = "dense(again)"
+        rows.append(again)
     dense = next(r for r in rows if r["hook"] == "dense")
     for r in rows:
         r["speedup"] = dense["step_ms"] / r["step_ms"]
@@ -279,6 +283,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hooks", default=None,
                    help="comma-separated names (or substrings) of hooks to run; dense always runs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-repeat-dense", dest="repeat_dense", action="store_false",
+                   help="do not measure dense again at the end (the drift check)")
     p.add_argument("--no-codec", dest="codec", action="store_false",
                    help="skip the standalone compress+decompress timing column")
     p.add_argument("--profile", default=None, metavar="HOOK[,HOOK]",

@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
+    sys.path.append(BENCH)  # last: bench/compressors.py must never shadow the package
 
 import _common  # noqa: E402
 import sweep  # noqa: E402
@@ -88,7 +88,7 @@ def test_ddp_step_smoke(tmp_path):
     assert rows[0] == ["hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "wire_MB",
                        "wire_ratio", "codec_ms"]
     by = {r[0]: r for r in rows[1:]}
-    assert set(by) == {"dense", "torch-fp16", "torch-psgd-r1", "qsgd8@allgather"}
+    assert set(by) == {"dense", "torch-fp16", "torch-psgd-r1", "qsgd8@allgather", "dense(again)"}
     assert float(by["dense"][5]) == 1.0 and float(by["dense"][7]) == 1.0
     assert float(by["torch-fp16"][7]) == 2.0  # half the bytes of dense, exactly
     assert by["dense"][2] == by["torch-psgd-r1"][2] == "1"  # one bucket by default
@@ -120,5 +120,5 @@ def test_convergence_and_sweep_smoke(tmp_path):
                 "--steps", "2", "--warmup", "3", "--hooks", "torch-fp16", "--out", str(tmp_path / "sw")])
     rows = _table(out, "hook")
     assert rows[0] == ["hook", "wire_MB", "unshaped", "x@unshaped"]
-    assert [r[0] for r in rows[1:]] == ["dense", "torch-fp16"]
+    assert [r[0] for r in rows[1:]] == ["dense", "torch-fp16", "dense(again)"]
     assert (tmp_path / "sw.csv").exists() and (tmp_path / "sw.md").exists()
