@@ -136,7 +136,9 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         flush_owner_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
     # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce
-    flag = ~torch.isfinite(x.sum(dtype=torch.float64))
+    # a plain sum (no float64 copy of the bucket): NaN/Inf anywhere makes it non-finite; a
+    # finite bucket whose sum overflows fp32 (|sum| > 3e38) is flagged too, which is right
+    flag = ~torch.isfinite(x.sum(dtype=torch.float32))  # fp16 sums would overflow at 65504
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
                   bucket=index, rank=comm.rank, seed=state.seed)
     st = state.stats.get(index)
