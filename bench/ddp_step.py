@@ -32,7 +32,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for _common; last, so that
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
 import _common  # noqa: E402  (puts the repository root on sys.path)
 
 import torch  # noqa: E402

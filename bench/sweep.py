@@ -21,7 +21,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for _common; last, so that
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
 import _common  # noqa: E402
 
 __all__ = ["rate_gbps", "run_rate", "main"]
