@@ -106,8 +106,12 @@ class _Pending:
 
 
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
-                   scatter=None) -> torch.futures.Future:
-    """EF + compress + aggregate one flat tensor in place; returns the (pending) future."""
+                   scatter=None, shapes: tuple = ()) -> torch.futures.Future:
+    """EF + compress + aggregate one flat tensor in place; returns the (pending) future.
+
+    ``shapes``: the shapes of the parameters ``x`` is made of, in order (``()``: unknown);
+    they reach the compressor as ``Context.shapes`` (PowerSGD factorizes each matrix).
+    """
     comm = state.comm()
     world = comm.world_size
     compressor = state.compressor
@@ -140,12 +144,16 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     # finite bucket whose sum overflows fp32 (|sum| > 3e38) is flagged too, which is right
     flag = ~torch.isfinite(x.sum(dtype=torch.float32))  # fp16 sums would overflow at 65504
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
-                  bucket=index, rank=comm.rank, seed=state.seed)
+                  bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
     st = state.stats.get(index)
     if st is None or st.numel != x.numel() or st.algorithm != alg.name:
         dense = 2 * (world - 1) * x.numel() * x.element_size() // world
-        st = state.stats[index] = BucketStats(index, x.numel(), x.dtype, alg.name, dense,
-                                              alg.wire_bytes(compressor, x.numel(), x.dtype, world))
+        wire = alg.wire_bytes(compressor, x.numel(), x.dtype, world)
+        shaped = getattr(compressor, "shaped_wire_bytes", None)
+        if shaped is not None and alg.name == "allreduce" and ctx.known_shapes():
+            # per-tensor payloads (PowerSGD per layer): the ring allreduce of their bytes
+            wire = 2 * (world - 1) * shaped(ctx.known_shapes(), x.dtype) // world
+        st = state.stats[index] = BucketStats(index, x.numel(), x.dtype, alg.name, dense, wire)
     st.calls += 1
     where = _where(state, f"{alg.name} collective", index, x.numel(), x.dtype, step)
     fut = alg(comm, compressor, x, ctx, state.store(index))
@@ -373,8 +381,16 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
             fut = _enqueue(state, index, step, None, buf, _guarded(dense_allreduce(state, buf), where))
         else:
             plan = _layout_plan(state, bucket, buf, index)
+            params = bucket.parameters()
+            shape_at, off = {}, 0  # buffer offset -> parameter shape
+            for p in params:
+                shape_at[off] = (p.numel(), tuple(p.shape))
+                off += p.numel()
+            if off != buf.numel():
+                shape_at = {}  # a layout we do not understand: shapes unknown
             if plan == [(index, None)]:
-                fut = _compress_flat(state, buf, index, step)
+                shapes = tuple(s for _, s in shape_at.values())
+                fut = _compress_flat(state, buf, index, step, shapes=shapes)
             else:
                 subs = []
                 for j, segs in plan:
@@ -386,7 +402,10 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
                             buf[o: o + n].copy_(y[pos: pos + n])
                             pos += n
 
-                    subs.append(_compress_flat(state, x, j, step, scatter))
+                    segs_shapes = [shape_at.get(o) for o, _ in segs]
+                    shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
+                        else tuple(s[1] for s in segs_shapes)
+                    subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes))
                 fut = _when_all(subs, buf)
     if last:
         _flush_pending(state, step)

@@ -16,6 +16,7 @@ seed) — except ``rank``, which only private randomness (stochastic rounding) m
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import threading
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,10 @@ class Context:
         bucket: bucket index (mixes into the hash RNG).
         rank: this rank; only private randomness may depend on it.
         seed: the seed every rank shares.
+        shapes: shapes of the tensors that make up the flat input, in order (a DDP bucket's
+            parameters); ``()`` means unknown: the input is one flat vector. Compressors that
+            use it (PowerSGD per layer) go through :meth:`known_shapes`, which drops shapes
+            that do not add up to ``numel`` (e.g. a shard of a hierarchical algorithm).
     """
 
     numel: int
@@ -52,6 +57,7 @@ class Context:
     bucket: int = 0
     rank: int = 0
     seed: int = 0
+    shapes: tuple = ()
 
     @classmethod
     def of(cls, x: torch.Tensor, **kw) -> "Context":
@@ -59,6 +65,13 @@ class Context:
 
     def with_(self, **kw) -> "Context":
         return replace(self, **kw)
+
+    def known_shapes(self) -> tuple:
+        """``shapes`` as a tuple of int tuples when they tile exactly ``numel`` elements, else ``()``."""
+        if not self.shapes:
+            return ()
+        shapes = tuple(tuple(int(d) for d in s) for s in self.shapes)
+        return shapes if sum(math.prod(s) for s in shapes) == self.numel else ()
 
 
 def check_input(x: torch.Tensor) -> None:
