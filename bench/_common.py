@@ -49,7 +49,8 @@ __all__ = [
     "ROOT", "RESULTS", "HookConfig", "hook_configs", "filter_configs", "attach_hook",
     "dense_wire_bytes", "torch_powersgd_wire_bytes", "env_rank_world", "init_distributed",
     "threads_for", "find_netsim", "file_lock", "netsim_run", "launch", "add_launch_args",
-    "progress", "format_table", "write_csv", "machine_facts", "free_port", "shell_command",
+    "progress", "format_table", "write_csv", "write_text", "machine_facts", "free_port",
+    "shell_command", "config_wire_bytes", "config_algorithm", "BENCH_LOCK", "NETSIM_LOCK",
 ]
 
 logger = logging.getLogger(__name__)
