@@ -30,7 +30,7 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty
+from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import check_bits, pack, packed_nbytes, unpack
 from .hashrng import add_uniform_, stream_key
 from .registry import register
@@ -59,8 +59,16 @@ def _absmax_fold_(x: torch.Tensor, b0: int, b1: int, chunk: int, s: torch.Tensor
             xs = x[lo:hi]
             hi_, lo_ = torch.amax(xs, dim=0, keepdim=True), torch.amin(xs, dim=0, keepdim=True)
             sl = s[ci:ci + 1]
-        m = torch.maximum(hi_, lo_.neg_())
-        torch.maximum(sl, m, out=sl).abs_()
+        sn = numpy_view(sl)
+        if sn is not None and hi_.dtype == torch.float32:  # tiny ops: numpy calls are cheaper
+            hn, ln = hi_.numpy(), lo_.numpy()
+            np.negative(ln, out=ln)
+            np.maximum(hn, ln, out=hn)
+            np.maximum(sn, hn, out=sn)
+            np.abs(sn, out=sn)
+        else:
+            m = torch.maximum(hi_, lo_.neg_())
+            torch.maximum(sl, m, out=sl).abs_()
 
 
 def chunk_absmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -203,6 +211,12 @@ class QSGD(Compressor):
     @staticmethod
     def _inv_scale(s: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``r = fp32(M/2) / s`` where ``s > 0``, else 0 (also for NaN)."""
+        sn, on = numpy_view(s), numpy_view(out)
+        if sn is not None and on is not None:  # tiny ops: numpy calls are cheaper
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                np.divide(np.float32(half.item()), sn, out=on)
+            on[~(sn > 0)] = 0.0
+            return out
         torch.div(half, s, out=out)
         return torch.where(s > 0, out, _ZERO, out=out)
 
