@@ -1,10 +1,12 @@
 """Autotune bench: DDP step time of ``algorithm="auto"`` against dense allreduce and every
 fixed (flat) algorithm of the same compressor, in one run, as ratios.
 
-For each compressor spec: ``dense`` (DDP's own allreduce, once), ``<spec>@<alg>`` for every
-flat algorithm the compressor supports, and ``auto(<spec>)`` (the cost model proposes, the
+For each compressor spec: ``dense`` (DDP's own allreduce), ``auto(<spec>)`` and
+``<spec>@<alg>`` for every flat algorithm the compressor supports (the cost model proposes, the
 autotuner measures and locks). Step times come from :func:`ddp_step.measure` (median of
-``--steps`` after a warm-up long enough to cover the autotune trial phase; max over ranks).
+``--steps`` after a warm-up — ``--warmup`` for auto, long enough to cover the autotune trial
+phase, ``start_iter + 2`` for the rest; max over ranks), taken ``--rounds`` times per group in
+ABBA order (the machine is shared: its load drifts); the median of the rounds is reported.
 The autotuner's trial table (rank 0, from its log) is printed after the step table.
 
     python bench/autotune.py -n 2 --netsim 10gbit --specs fp16,powersgd:rank=1
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,23 +37,26 @@ __all__ = ["configs_for", "rank_main", "main"]
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ["hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB"]
+COLUMNS = ["group", "hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB",
+           "rounds_ms"]
 
 
 def configs_for(specs) -> list:
-    """dense, then per spec every supported flat algorithm and ``auto``."""
+    """Per spec: dense, ``auto``, every supported flat algorithm — each group measured back to
+    back, so a change of load on the shared machine between groups does not skew a ratio."""
     import comms
     import compressors
 
-    out = [_common.HookConfig("dense", "dense")]
+    out = []
     for spec in specs:
         comp = compressors.from_spec(spec)
         short = _common._short(spec, None)
+        out.append((spec, _common.HookConfig("dense", "dense")))
+        out.append((spec, _common.HookConfig(f"auto({short})", "ours", spec, "auto", None)))
         for name, alg in comms.ALGORITHMS.items():
             if getattr(alg, "hierarchical", False) or not comp.supports(alg.family):
                 continue
-            out.append(_common.HookConfig(f"{short}@{name}", "ours", spec, name, None))
-        out.append(_common.HookConfig(f"auto({short})", "ours", spec, "auto", None))
+            out.append((spec, _common.HookConfig(f"{short}@{name}", "ours", spec, name, None)))
     return out
 
 
@@ -85,29 +91,51 @@ def rank_main(rank: int, world: int, args):
               f"bucket_cap_mb={args.bucket_cap_mb} warmup={args.warmup} steps={args.steps} "
               f"threads/rank={torch.get_num_threads()} link={args.link}", flush=True)
     rows, logs = [], {}
-    for cfg in configs:
-        cap.records.clear()
-        rows.append(ddp_step.measure(cfg, args, rank, world))
-        if cfg.algorithm == "auto":
-            logs[cfg.name] = list(cap.records)
-        if rank == 0:
-            print(f"#   {cfg.name}: {rows[-1]['step_ms']:.1f} ms", flush=True)
-    dense = next(r for r in rows if r["hook"] == "dense")
-    for r in rows:
-        r["speedup"] = dense["step_ms"] / r["step_ms"]
+    auto_warmup = args.warmup
+    fixed_warmup = args.start_iter + 2
     for spec in specs:
-        short = _common._short(spec, None)
-        mine = [r for r, c in zip(rows, configs) if c.spec == spec]
-        fixed = [r for r, c in zip(mine, [c for c in configs if c.spec == spec]) if c.algorithm != "auto"]
-        best = min([dense] + fixed, key=lambda r: r["step_ms"])
-        for r in mine:
+        group = [(s, c) for s, c in configs if s == spec]
+        times: dict[str, list] = {c.name: [] for _, c in group}
+        p90s: dict[str, list] = {c.name: [] for _, c in group}
+        last: dict[str, dict] = {}
+        for rnd in range(args.rounds):
+            # ABBA: every other round runs the group backwards, so a drift of the machine's
+            # load during the group cancels out of the ratios; dense and auto stay neighbours
+            for _, cfg in (group if rnd % 2 == 0 else group[::-1]):
+                cap.records.clear()
+                args.warmup = auto_warmup if cfg.algorithm == "auto" else fixed_warmup
+                row = ddp_step.measure(cfg, args, rank, world)
+                times[cfg.name].append(row["step_ms"])
+                p90s[cfg.name].append(row["p90_ms"])
+                last[cfg.name] = row
+                if cfg.algorithm == "auto":
+                    logs.setdefault(cfg.name, []).extend([f"(round {rnd})"] + cap.records)
+                if rank == 0:
+                    print(f"#   [{_common._short(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms",
+                          flush=True)
+        for _, cfg in group:
+            row = dict(last[cfg.name], group=_common._short(spec, None))
+            row["step_ms"] = statistics.median(times[cfg.name])
+            row["p90_ms"] = max(p90s[cfg.name])
+            row["rounds_ms"] = "/".join(f"{t:.0f}" for t in times[cfg.name])
+            rows.append(row)
+    args.warmup = auto_warmup
+    for spec in specs:
+        group = [(r, c) for r, (s, c) in zip(rows, configs) if s == spec]  # rows follow configs
+        dense = next(r for r, c in group if c.kind == "dense")
+        best = min((r for r, c in group if c.algorithm != "auto"), key=lambda r: r["step_ms"])
+        for r, c in group:
+            r["speedup"] = dense["step_ms"] / r["step_ms"]
             r["vs_best_fixed"] = best["step_ms"] / r["step_ms"]
-            if r["hook"] == f"auto({short})":
+            if c.algorithm == "auto":
                 r["best_fixed"] = best["hook"]
     if rank != 0:
         return None
     table = _common.format_table(rows, COLUMNS)
     print(table, flush=True)
+    summary = [f"{r['hook']}: {r['speedup']:.2f}x of dense, {r['vs_best_fixed']:.2f}x of the best fixed "
+               f"choice ({r['best_fixed']})" for r in rows if "best_fixed" in r]
+    print("\n".join(summary), flush=True)
     text = []
     for name, recs in logs.items():
         text.append(f"## {name}")
@@ -115,7 +143,7 @@ def rank_main(rank: int, world: int, args):
     print("\n".join(text), flush=True)
     if args.out:
         md = [f"# Autotune bench: {args.model}, {world} ranks, link {args.link}", "", "```", args.command, "```", "",
-              f"Machine: {_common.machine_facts()}.", "", _common.format_table(rows, COLUMNS, markdown=True), "",
+              f"Machine: {_common.machine_facts()}.", "", _common.format_table(rows, COLUMNS, markdown=True), "", *summary, "",
               "```", *text, "```", ""]
         _common.write_text(args.out + ".md", "\n".join(md))
     return rows
@@ -126,6 +154,8 @@ def parser() -> argparse.ArgumentParser:
     p.description = __doc__.split("\n\n")[0]
     p.add_argument("--specs", default="fp16,powersgd:rank=1",
                    help="comma-separated compressor specs (use ';' if a spec has commas)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="measure each group this many times (ABBA order); step_ms is the median")
     p.set_defaults(warmup=16, steps=6, codec=False)
     return p
 
