@@ -3,7 +3,9 @@
 One process, one thread (``torch.set_num_threads(1)``), one run: every case is timed in the
 same run, round robin (case A, B, C, ..., then again), so load from other processes on the
 machine hits all of them alike; each time is the median of ``--reps`` repetitions after one
-warm-up call (which allocates the compressors' reused scratch buffers).
+warm-up call (which allocates the compressors' reused scratch buffers). Wall-clock times are
+the headline; the thread's CPU time is reported too, since on a shared machine waiting for a
+core inflates wall time (memory-bandwidth contention still shows in both).
 
 Cases on ``--n`` fp32 values (default 25M = 100 MB):
 
@@ -120,15 +122,17 @@ def cases(n: int):
 def measure(n: int, reps: int, only: set | None = None):
     todo = [c for c in cases(n) if not only or c[0] in only or c[0] == "copy"]
     times = {name: [] for name, _, _ in todo}
+    cpu = {name: [] for name, _, _ in todo}
     for _, _, fn in todo:  # warm-up: allocates the reused scratch buffers
         fn()
     for _ in range(reps):
         for name, _, fn in todo:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return [(name, what, statistics.median(times[name]) * 1e3, min(times[name]) * 1e3)
-            for name, what, _ in todo]
+            cpu[name].append(time.thread_time() - c0)
+    return [(name, what, statistics.median(times[name]) * 1e3, min(times[name]) * 1e3,
+             statistics.median(cpu[name]) * 1e3) for name, what, _ in todo]
 
 
 def facts() -> list[str]:
@@ -150,13 +154,18 @@ def facts() -> list[str]:
 
 def table(rows) -> tuple[str, dict]:
     copy = next(r[2] for r in rows if r[0] == "copy")
+    copy_cpu = next(r[4] for r in rows if r[0] == "copy")
     by = {r[0]: r[2] for r in rows}
-    lines = ["| case | what | median ms | min ms | x copy |", "|---|---|---:|---:|---:|"]
-    for name, what, med, mn in rows:
-        lines.append(f"| {name} | {what} | {med:.1f} | {mn:.1f} | {med / copy:.2f} |")
+    by_cpu = {r[0]: r[4] for r in rows}
+    lines = ["| case | what | median ms | min ms | x copy | CPU ms | x copy (CPU) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, what, med, mn, cpu in rows:
+        lines.append(f"| {name} | {what} | {med:.1f} | {mn:.1f} | {med / copy:.2f} | "
+                     f"{cpu:.1f} | {cpu / copy_cpu:.2f} |")
     ratios = {}
     if "qsgd8" in by:
         ratios["QSGD 8-bit compress+decompress / copy (target <= 6)"] = by["qsgd8"] / copy
+        ratios["QSGD 8-bit, thread CPU time / copy's"] = by_cpu["qsgd8"] / copy_cpu
     if "qsgd4" in by:
         ratios["QSGD 4-bit compress+decompress / copy"] = by["qsgd4"] / copy
     if "sign" in by:
@@ -166,6 +175,8 @@ def table(rows) -> tuple[str, dict]:
     if "torch.topk" in by and "topk approx compress" in by:
         ratios["torch.topk / TopK(exact=False) compress (target >= 5)"] = (
             by["torch.topk"] / by["topk approx compress"])
+        ratios["torch.topk / TopK(exact=False) compress, thread CPU time"] = (
+            by_cpu["torch.topk"] / by_cpu["topk approx compress"])
     if "torch.topk" in by and "topk approx" in by:
         ratios["torch.topk / TopK(exact=False) compress+decompress"] = (
             by["torch.topk"] / by["topk approx"])

@@ -25,7 +25,7 @@ from typing import ClassVar, Sequence
 import torch
 
 __all__ = ["Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
-           "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty"]
+           "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty", "PayloadPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,60 @@ def fresh_empty(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     except OSError:  # pragma: no cover - kernels without THP: plain pages
         pass
     return torch.frombuffer(buf, dtype=dtype, count=n)
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unreferenced(alias: torch.Tensor) -> bool:
+    """True when only ``alias`` (and the temporary storage object of this check) holds its
+    storage: no tensor, view, numpy array, DLPack capsule or collective's work object anywhere
+    else can still read or write the memory."""
+    return _storage_use_count(alias.untyped_storage()._cdata) <= 2
+
+
+class PayloadPool:
+    """Payload tensors that are reused only once nobody references them any more.
+
+    ``compress`` returns fresh tensors (the hook may still be sending the previous step's
+    payload while the next one is built). A fresh 25 MB payload costs page faults on first
+    touch (~3 ms even with huge pages), so this pool keeps a private alias of each large
+    payload it hands out and gives the memory out again only when that alias is the last
+    reference to its storage (torch's storage use count: every tensor, view, ``.numpy()``
+    array, DLPack export and gloo/NCCL work object holding the payload counts). To the caller
+    a payload is indistinguishable from a fresh one. CPU only, >= 2 MB, at most
+    ``per_key`` buffers per (size, dtype); without the use-count API it is ``fresh_empty``.
+    """
+
+    def __init__(self, per_key: int = 4):
+        self.per_key = per_key
+        self._lock = threading.Lock()
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def empty(self, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+        if (_storage_use_count is None or torch.device(device).type != "cpu"
+                or n * dtype.itemsize < _HUGE_MIN_BYTES):
+            return fresh_empty(n, dtype, device)
+        key = (n, dtype)
+        with self._lock:
+            aliases = self._free.setdefault(key, [])
+            for a in aliases:
+                if _unreferenced(a):
+                    return a.detach()  # a new tensor object on the same memory
+            t = fresh_empty(n, dtype, device)
+            if len(aliases) < self.per_key:
+                aliases.append(t.detach())
+            return t
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    def __reduce__(self):
+        return (PayloadPool, (self.per_key,))
+
+    def __deepcopy__(self, memo):
+        return PayloadPool(self.per_key)
 
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int32, torch.int64,
@@ -265,6 +319,13 @@ class Compressor:
         if ws is None:
             ws = self.__dict__["_ws"] = Workspace()
         return ws
+
+    def payload_pool(self) -> PayloadPool:
+        """Where this compressor's large payload tensors come from (see :class:`PayloadPool`)."""
+        pool = self.__dict__.get("_pool")
+        if pool is None:
+            pool = self.__dict__["_pool"] = PayloadPool()
+        return pool
 
     def block_for(self, device) -> int:
         b = self.block if self.block is not None else block_elems(device)

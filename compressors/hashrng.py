@@ -131,9 +131,13 @@ USE_NUMPY_ON_CPU = True
 _U = np.uint32
 
 
-def _np_hash_(hn: np.ndarray, tn: np.ndarray, start: int, key: int, io: np.ndarray | None,
-              last: bool) -> None:
-    """numpy twin of :func:`_hash_start_` on uint32 views (wrapping uint32 multiplies)."""
+def _np_hash_(h: torch.Tensor, tmp: torch.Tensor, start: int, key: int,
+              iota: torch.Tensor | None, last: bool) -> None:
+    """CPU twin of the torch ops in :func:`_hash_start_`: shifts and xors in numpy on uint32
+    views of the same memory (logical shifts, no masks), the two multiplies with torch's
+    in-place int32 ``mul_`` (wrapping; faster than numpy's here)."""
+    hn, tn = _u32(h), _u32(tmp)
+    io = None if iota is None else _u32(iota)
     n = hn.shape[0]
     P = _pow2_at_least(n)
     if io is not None and P <= _SPAN and io.shape[0] >= n and start % P == 0:
@@ -150,10 +154,10 @@ def _np_hash_(hn: np.ndarray, tn: np.ndarray, start: int, key: int, io: np.ndarr
         np.bitwise_xor(hn, _U(key & _M32), out=hn)
         np.right_shift(hn, _U(16), out=tn)
         np.bitwise_xor(hn, tn, out=hn)
-    np.multiply(hn, _U(_C1), out=hn)
+    h.mul_(_C1_T)
     np.right_shift(hn, _U(15), out=tn)
     np.bitwise_xor(hn, tn, out=hn)
-    np.multiply(hn, _U(_C2), out=hn)
+    h.mul_(_C2_T)
     if last:
         np.right_shift(hn, _U(16), out=tn)
         np.bitwise_xor(hn, tn, out=hn)
@@ -171,8 +175,7 @@ def _hash_start_(h: torch.Tensor, start: int, key: int, tmp: torch.Tensor,
                  iota: torch.Tensor | None, last: bool) -> torch.Tensor:
     n = h.numel()
     if _np_ok(h, tmp):
-        _np_hash_(_u32(h), _u32(tmp[:n]), start, key,
-                  None if iota is None else _u32(iota), last)
+        _np_hash_(h, tmp[:n], start, key, iota, last)
         return h
     P = _pow2_at_least(n)
     if iota is not None and P <= _SPAN and iota.numel() >= n and start % P == 0:
@@ -244,7 +247,9 @@ def add_uniform_(t: torch.Tensor, start: int, key: int, h: torch.Tensor, tmp: to
     ``t.add_(uniform(n, key, start=start))``.
 
     ``h``/``tmp`` (int32) and ``v`` (fp32; may share ``tmp``'s memory) are scratch of ``t``'s
-    size; ``iota`` as in :func:`hash_block_`. Fewer passes than the spec's literal order:
+    size; ``iota`` as in :func:`hash_block_`. On CPU the numpy uint32 views give logical
+    shifts, so ``h24`` comes out directly. The torch ops (other devices) avoid the masks a
+    logical shift needs on int32 with one pass fewer than the spec's literal order:
 
     * with ``y`` the hash before its last xorshift, ``h24 = (y ^ (y >>> 16)) >>> 8``; the word
       ``(h24 << 8) | 0x80`` is built from ``y`` with ``(y >> 16) & 0xFF00`` (only bits 8..15
@@ -256,17 +261,18 @@ def add_uniform_(t: torch.Tensor, start: int, key: int, h: torch.Tensor, tmp: to
       FMA and a separate multiply agree).
     """
     _hash_start_(h, start, key, tmp, iota, last=False)
-    if _np_ok(h, tmp):
+    if _np_ok(h, tmp):  # logical shifts: h24 directly, then fl(h24 + 0.5) as the spec says
         hn, tn = _u32(h), _u32(tmp[:h.numel()])
         np.right_shift(hn, _U(16), out=tn)
         np.bitwise_xor(hn, tn, out=hn)
-        np.bitwise_and(hn, _U(0xFFFFFF00), out=hn)
-        np.bitwise_or(hn, _U(0x80), out=hn)
-    else:
-        torch.bitwise_right_shift(h, _K16, out=tmp)
-        tmp.bitwise_and_(_HI8)
-        h.bitwise_xor_(tmp)
-        h.bitwise_and_(_NOT_LO8).bitwise_or_(_B80)
+        np.right_shift(hn, _U(8), out=hn)
+        v.copy_(h)  # exact: < 2**24
+        v.add_(_HALF_T)
+        return t.add_(v, alpha=_SCALE)
+    torch.bitwise_right_shift(h, _K16, out=tmp)
+    tmp.bitwise_and_(_HI8)
+    h.bitwise_xor_(tmp)
+    h.bitwise_and_(_NOT_LO8).bitwise_or_(_B80)
     v.copy_(h.view(torch.uint32))
     return t.add_(v, alpha=2.0 ** -32)
 

@@ -157,7 +157,7 @@ class QSGD(Compressor):
         c, bits, M = self.chunk, self.bits, self.levels
         nch = self.nchunks(n)
         s = torch.zeros(nch, dtype=torch.float32, device=dev)
-        packed = fresh_empty(packed_nbytes(n, bits), torch.uint8, dev)
+        packed = self.payload_pool().empty(packed_nbytes(n, bits), torch.uint8, dev)
         if n == 0:
             return [s, packed]
         key = stream_key(ctx.seed, ctx.step, ctx.bucket, ctx.rank)

@@ -101,7 +101,7 @@ class ScaledSign(Compressor):
         x = x.reshape(-1)
         n, c, dev = x.numel(), self.chunk, x.device
         s = torch.empty(self.nchunks(n), dtype=torch.float32, device=dev)
-        packed = fresh_empty(packed_nbytes(n, 1), torch.uint8, dev)
+        packed = self.payload_pool().empty(packed_nbytes(n, 1), torch.uint8, dev)
         if n == 0:
             return [s, packed]
         B = self.block_for(dev)
