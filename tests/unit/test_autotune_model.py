@@ -1,0 +1,89 @@
+"""Wire-dtype bandwidths, local passes, refine on one rank, and the planner's proposals and
+rules (no communication)."""
+
+import math
+
+import pytest
+import torch
+
+import compressors
+from comms.autotune import MODEL
+from comms.cost_model import (HOOK_PASSES, ComputeCost, CostModel, LocalCommunicator, TierCost,
+                              payload_dtype, wire_ops)
+from comms.planner import Planner
+
+
+def test_wire_dtype_bandwidth_is_charged():
+    fp16 = compressors.from_spec("fp16")
+    assert payload_dtype(fp16) == torch.float16
+    assert payload_dtype(compressors.from_spec("powersgd:rank=1")) == torch.float32
+    base = TierCost("flat", 2, 1e-3, 1e9)
+    slow16 = base.with_betas({("allreduce", "torch.float16"): 0.25e9})
+    n = 1 << 20
+    assert slow16.allreduce(4 * n) == base.allreduce(4 * n)  # fp32 (or no dtype): base beta
+    assert slow16.allreduce(2 * n, torch.float16) == pytest.approx(1e-3 + 2 * n / 0.25e9)
+    m = CostModel({"flat": slow16}, {fp16.spec(): ComputeCost()})
+    # fp16 halves the bytes, but gloo's fp16 sum is 4x slower per byte: dense wins
+    assert m.predict("allreduce", fp16, n) > m.predict("dense", fp16, n)
+    assert CostModel({"flat": base}, {fp16.spec(): ComputeCost()}).predict("allreduce", fp16, n) \
+        < m.predict("dense", fp16, n)
+    ops = wire_ops("allreduce", fp16, n, torch.float32, {"flat": base})
+    assert ops == [("flat", "allreduce", "torch.float16", fp16.wire_bytes(n))]
+    topk = compressors.from_spec("topk:density=0.01")
+    assert [o[1:3] for o in wire_ops("two_phase", topk, n, torch.float32, {"flat": base})] == \
+        [("all_to_all", "torch.uint8"), ("allgather", "torch.uint8")]
+    hier = wire_ops("hier_allreduce", fp16, n, torch.float32,
+                    {"flat": base, "intra": base, "inter": base}, local_size=2)
+    assert [o[0] for o in hier] == ["intra", "inter", "intra"] and hier[1][2] == "torch.float16"
+
+
+def test_local_passes_charged_to_compressed_candidates():
+    fp16 = compressors.from_spec("fp16")
+    tiers = {"flat": TierCost("flat", 2, 1e-3, 1e9)}
+    m0 = CostModel(tiers, {fp16.spec(): ComputeCost()})
+    m1 = CostModel(tiers, {fp16.spec(): ComputeCost()}, mem_per_element=1e-9)
+    n = 10 ** 6
+    assert m1.predict("allreduce", fp16, n) - m0.predict("allreduce", fp16, n) == pytest.approx(HOOK_PASSES * 1e-3)
+    assert m1.predict("dense", fp16, n) == m0.predict("dense", fp16, n)
+
+
+def test_refine_on_one_rank_times_compute_at_bucket_size():
+    comp = compressors.from_spec("qsgd:bits=8")
+    m = CostModel({"flat": TierCost("flat", 1, 0.0, 1e9)})
+    r = m.refine(LocalCommunicator(), comp, [(1 << 18, torch.float32)], ["allgather"], compute_numel=1 << 18)
+    assert r.mem_per_element > 0 and r.compute[comp.spec()].compress_per_element > 0
+    assert r.tiers["flat"].betas == {}  # one rank: nothing to probe, nothing hangs
+
+
+def _planner(beta16, spec="fp16", **kw):
+    comp = compressors.from_spec(spec)
+    tiers = {"flat": TierCost("flat", 2, 1e-3, 0.1e9, {("allreduce", "torch.float16"): beta16,
+                                                         ("allgather", "torch.uint8"): 0.1e9,
+                                                         ("all_to_all", "torch.uint8"): 0.1e9})}
+    p = Planner(comp, cost_model=CostModel(tiers, {comp.spec(): ComputeCost()}), **kw)
+    p.ready = True
+    return p
+
+
+def test_proposals_ranked_distinct_and_rules_applied():
+    p = _planner(beta16=0.1e9)
+    keys = [(0, 1 << 22, torch.float32), (1, 100, torch.float32)]  # a big and a small bucket
+    rules = p._propose(keys)
+    # the model's pick equals uniform "allreduce" on these buckets: listed once, best first
+    assert rules[0] in (MODEL, "allreduce") and len(rules) == len(set(rules))
+    assert not (MODEL in rules and "allreduce" in rules)
+    assert set(rules) >= {"allgather", "two_phase"}
+    big, small = p._row(keys[0]), p._row(keys[1])
+    assert p._apply("two_phase", big) == "two_phase" and p._apply("two_phase", small) == "dense"
+    assert p._apply("dense", big) == "dense"
+    # the tuner's rule decides what choose() returns, for every bucket
+    p.tuner.rule = "allgather"
+    assert p.choose(0, 1 << 22) == "allgather" and p.choose(1, 100) == "dense"
+    assert "model: allreduce" in str(p.plan)
+    sd = p.state_dict()
+    assert sd["decisions"][0] == [0, 1 << 22, "torch.float32", "allgather"]
+    # a slow fp16 sum: every compressed plan predicted slower than dense is still proposed
+    # (the tuner measures), but the model alone picks dense
+    slow = _planner(beta16=0.01e9, algorithms=["allreduce"])
+    assert slow._row(keys[0]).chosen == "dense" and slow._propose(keys) == ["allreduce"]
+    assert all(math.isfinite(t) for t in slow._row(keys[0]).predicted.values())
