@@ -151,7 +151,7 @@ class QSGD(Compressor):
     # -- encode -------------------------------------------------------------------------
     def compress(self, x, ctx):
         check_input(x)
-        x = x.reshape(-1)
+        x = x.detach().reshape(-1)
         n = x.numel()
         dev = x.device
         c, bits, M = self.chunk, self.bits, self.levels

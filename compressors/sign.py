@@ -98,7 +98,7 @@ class ScaledSign(Compressor):
 
     def compress(self, x, ctx):
         check_input(x)
-        x = x.reshape(-1)
+        x = x.detach().reshape(-1)
         n, c, dev = x.numel(), self.chunk, x.device
         s = torch.empty(self.nchunks(n), dtype=torch.float32, device=dev)
         packed = self.payload_pool().empty(packed_nbytes(n, 1), torch.uint8, dev)

@@ -56,7 +56,7 @@ class TopK(Compressor):
 
     def compress(self, x, ctx):
         check_input(x)
-        x = x.reshape(-1)
+        x = x.detach().reshape(-1)
         n = x.numel()
         k = self.k_for(n)
         if k == 0:

@@ -175,3 +175,12 @@ def test_decompress_into_odd_outputs():
     assert torch.equal(q.decompress_into(p, ctx, shaped).view(-1), want)
     with pytest.raises(RuntimeError):
         q.decompress_into(p, ctx, torch.empty(999))
+
+
+@pytest.mark.parametrize("c", instances(), ids=IDS)
+def test_inputs_that_require_grad(c):
+    x = _x(5000, torch.float32, seed=4)
+    xg = x.clone().requires_grad_(True)
+    ctx = Context.of(x)
+    want = c.decompress(c.compress(x, ctx), ctx)
+    assert torch.equal(c.decompress(c.compress(xg, ctx), ctx).detach(), want)
