@@ -206,16 +206,16 @@ def rank_main(rank: int, world: int, args):
             final = _final(curve, args.tail)
             tgt = target_for(name)
             ratio = final / dense_final
-            rows.append({"task": tname, "steps": steps_for(task, args), "hook": name,
-                         "final_loss": final, "ratio": ratio,
+            rows.append({"task": tname, "hook": name, "final_loss": final, "ratio": ratio,
                          "target": tgt, "ok": None if tgt is None else ("yes" if ratio <= tgt else "NO")})
             curves += [{"task": tname, "hook": name, "step": s, "loss": v} for s, v in curve]
     if rank != 0:
         return None
-    cols = ["task", "steps", "hook", "final_loss", "ratio", "target", "ok"]
+    cols = ["task", "hook", "final_loss", "ratio", "target", "ok"]
     print(_common.format_table(rows, cols), flush=True)
     if args.out:
-        _write(args, rows, curves, cols, skipped, world)
+        _write(args, rows, curves, cols, skipped, world,
+               {t: steps_for(TASKS[t], args) for t in args.tasks.split(",")})
     return rows
 
 
@@ -224,15 +224,15 @@ def _final(curve, tail: int) -> float:
     return sum(vals) / len(vals)
 
 
-def _write(args, rows, curves, cols, skipped, world) -> None:
+def _write(args, rows, curves, cols, skipped, world, steps) -> None:
     out = args.out
     _common.write_csv(out + ".csv", rows, cols)
     _common.write_csv(out + "_curves.csv", curves, ["task", "hook", "step", "loss"])
     pngs = _plot(curves, out)
     md = [f"# Convergence: final loss against dense allreduce ({world} gloo ranks)", "", "```",
           args.command, "```", "",
-          f"Machine: {_common.machine_facts()}. Steps per task in the table (a fixed count per "
-          f"task, the same for every hook), fixed seeds, the same data "
+          f"Machine: {_common.machine_facts()}. Steps (a fixed count per task, the same for "
+          f"every hook): {', '.join(f'{t} {n}' for t, n in steps.items())}; fixed seeds, the same data "
           f"order for every hook; loss evaluated every {args.eval_every} steps (digits: the whole "
           f"training split; charlm: 64 held-out sequences of the stdlib's source); final = mean of "
           f"the last {args.tail} evaluations. ratio = final / dense final; target from issue 7.", ""]
