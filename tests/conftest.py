@@ -1,9 +1,12 @@
 import os
 import sys
 
-# the project root (comms/, compressors/) and tests/ importable without installing
+# pytest runs with --import-mode=importlib (test files in different folders may share a
+# basename), so put the project root (comms/, compressors/), tests/ (for `dist.ranks` etc.)
+# and the folders whose helper modules tests import by plain name on the path ourselves
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "tests")):
+TESTS = os.path.join(ROOT, "tests")
+for p in (*(os.path.join(TESTS, d) for d in ("unit", "gpu", "mpi", "netsim")), TESTS, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 os.environ.setdefault("PYTHONPATH", ROOT)
