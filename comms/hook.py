@@ -105,6 +105,15 @@ class _Pending:
         self.result = torch.futures.Future()
 
 
+def _record_dense(state: CompressionState, index: int, x: torch.Tensor, world: int) -> None:
+    """Account a bucket the planner sent dense: wire bytes == dense bytes, algorithm "dense"."""
+    st = state.stats.get(index)
+    if st is None or st.numel != x.numel() or st.algorithm != "dense":
+        dense = 2 * (world - 1) * x.numel() * x.element_size() // world
+        st = state.stats[index] = BucketStats(index, x.numel(), x.dtype, "dense", dense, dense)
+    st.calls += 1
+
+
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
                    scatter=None, shapes: tuple = ()) -> torch.futures.Future:
     """EF + compress + aggregate one flat tensor in place; returns the (pending) future.
@@ -122,6 +131,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     switched = prev is not None and prev != name
     if name == "dense":  # the auto planner routes this bucket to the plain allreduce
         state.dense_calls += 1
+        _record_dense(state, index, x, world)
         where = _where(state, "dense allreduce", index, x.numel(), x.dtype, step)
         if not switched:
             return _enqueue(state, index, step, None, x, _guarded(dense_allreduce(state, x), where), scatter)
@@ -130,7 +140,6 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             state.memory.add_residual_(index, x)
         flush_owner_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.reset_bucket(index)
-        state.stats.pop(index, None)  # stats describe compressed buckets only
         return _enqueue(state, index, step, None, x, _guarded(comm.all_reduce(x), where), scatter)
     alg = get_algorithm(name)
     x.div_(world)
