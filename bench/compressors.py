@@ -101,21 +101,21 @@ def cases(n: int):
     def compress_only(c):
         return lambda: c.compress(x, ctx())
 
+    q8, q4, sg = QSGD(8), QSGD(4), ScaledSign()
+    tk, ta = TopK(0.01), TopK(0.01, exact=False)
     return [
         ("copy", "buf.copy_(x), preallocated", lambda: buf.copy_(x)),
-        ("qsgd8", "QSGD(8) compress + decompress_into", roundtrip(QSGD(8))),
-        ("qsgd8 compress", "QSGD(8) compress only", compress_only(QSGD(8))),
-        ("qsgd8 fresh", "QSGD(8) compress + decompress (fresh output)", roundtrip_fresh(QSGD(8))),
-        ("qsgd4", "QSGD(4) compress + decompress_into", roundtrip(QSGD(4))),
-        ("sign", "ScaledSign compress + decompress_into", roundtrip(ScaledSign())),
+        ("qsgd8", f"{q8!r} compress + decompress_into", roundtrip(q8)),
+        ("qsgd8 compress", f"{q8!r} compress only", compress_only(QSGD(8))),
+        ("qsgd8 fresh", f"{q8!r} compress + decompress (fresh output)", roundtrip_fresh(QSGD(8))),
+        ("qsgd4", f"{q4!r} compress + decompress_into", roundtrip(q4)),
+        ("sign", f"{sg!r} compress + decompress_into", roundtrip(sg)),
         ("naive q8", "torch 8-bit, rand_like rounding, + decode",
          lambda: naive_dq8(*naive_q8(x))),
         ("torch.topk", "torch.topk(x.abs(), 1%)", lambda: torch.topk(x.abs(), k, sorted=False)),
-        ("topk exact", "TopK(0.01) compress + decompress_into", roundtrip(TopK(0.01))),
-        ("topk approx", "TopK(0.01, exact=False) compress + decompress_into",
-         roundtrip(TopK(0.01, exact=False))),
-        ("topk approx compress", "TopK(0.01, exact=False) compress only",
-         compress_only(TopK(0.01, exact=False))),
+        ("topk exact", f"{tk!r} compress + decompress_into", roundtrip(tk)),
+        ("topk approx", f"{ta!r} compress + decompress_into", roundtrip(ta)),
+        ("topk approx compress", f"{ta!r} compress only", compress_only(TopK(0.01, exact=False))),
     ]
 
 
