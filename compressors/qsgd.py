@@ -32,6 +32,7 @@ import torch
 
 from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import check_bits, pack, packed_nbytes, unpack
+from .cuda import dispatch as cuda_dispatch
 from .hashrng import add_uniform_, stream_key
 from .registry import register
 
@@ -151,6 +152,9 @@ class QSGD(Compressor):
     # -- encode -------------------------------------------------------------------------
     def compress(self, x, ctx):
         check_input(x)
+        # CUDA tensors take the csrc/ kernels when CuPy is there (same bits as this path)
+        if x.is_cuda and (out := cuda_dispatch.qsgd_compress(self, x.detach(), ctx)) is not None:
+            return out
         x = x.detach().reshape(-1)
         n = x.numel()
         dev = x.device
@@ -222,7 +226,9 @@ class QSGD(Compressor):
 
     # -- decode -------------------------------------------------------------------------
     def _steps(self, s: torch.Tensor) -> torch.Tensor:
-        return (2 * s) / float(self.levels)
+        # a tensor divisor: torch on CUDA turns `tensor / python_float` into a multiply by the
+        # reciprocal (1 ulp off the true quotient the format and the kernels use)
+        return torch.div(2 * s, torch.full_like(s, float(self.levels)))
 
     def _decode_block(self, s, w, packed, b0, b1, f, ws):
         """fp32 decode of elements ``[b0, b1)`` into ``f`` (fp32, ``b1 - b0``)."""
@@ -255,6 +261,8 @@ class QSGD(Compressor):
             lambda b0, b1, f: self._decode_block(s, w, packed, b0, b1, f, ws))
 
     def decompress(self, payload, ctx):
+        if payload[1].is_cuda and (out := cuda_dispatch.qsgd_decompress(self, payload, ctx)) is not None:
+            return out
         out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
         return self._decode(payload, ctx, out, accumulate=False)
 
@@ -265,6 +273,8 @@ class QSGD(Compressor):
         return out
 
     def decompress_add_(self, payload, ctx, acc):
+        if acc.is_cuda and (out := cuda_dispatch.qsgd_decompress_add_(self, payload, ctx, acc)) is not None:
+            return out
         if not acc.is_contiguous() or acc.numel() != ctx.numel:
             return super().decompress_add_(payload, ctx, acc)
         self._decode(payload, ctx, acc.view(-1), accumulate=True)

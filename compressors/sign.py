@@ -24,6 +24,7 @@ import torch
 
 from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
+from .cuda import dispatch as cuda_dispatch
 from .registry import register
 
 __all__ = ["ScaledSign"]
@@ -101,6 +102,9 @@ class ScaledSign(Compressor):
 
     def compress(self, x, ctx):
         check_input(x)
+        # CUDA tensors take the csrc/ kernels when CuPy is there (same bits as this path)
+        if x.is_cuda and (out := cuda_dispatch.sign_compress(self, x.detach(), ctx)) is not None:
+            return out
         x = x.detach().reshape(-1)
         n, c, dev = x.numel(), self.chunk, x.device
         s = torch.empty(self.nchunks(n), dtype=torch.float32, device=dev)
@@ -160,6 +164,8 @@ class ScaledSign(Compressor):
         return self._decode_blocks(ctx, out, accumulate, packed.device, block)
 
     def decompress(self, payload, ctx):
+        if payload[1].is_cuda and (out := cuda_dispatch.sign_decompress(self, payload, ctx)) is not None:
+            return out
         out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
         return self._decode(payload, ctx, out, accumulate=False)
 
@@ -170,6 +176,8 @@ class ScaledSign(Compressor):
         return out
 
     def decompress_add_(self, payload, ctx, acc):
+        if acc.is_cuda and (out := cuda_dispatch.sign_decompress_add_(self, payload, ctx, acc)) is not None:
+            return out
         if not acc.is_contiguous() or acc.numel() != ctx.numel:
             return super().decompress_add_(payload, ctx, acc)
         self._decode(payload, ctx, acc.view(-1), accumulate=True)

@@ -10,6 +10,7 @@ import torch
 
 from .base import Compressor, check_density, check_input, fresh_empty, numpy_view
 from .hashrng import stream_key, lowbias32_int
+from .cuda import dispatch as cuda_dispatch
 from .registry import register
 
 __all__ = ["TopK"]
@@ -56,6 +57,9 @@ class TopK(Compressor):
 
     def compress(self, x, ctx):
         check_input(x)
+        # CUDA tensors take the csrc/ kernels when CuPy is there (same bits as this path)
+        if x.is_cuda and (out := cuda_dispatch.topk_compress(self, x.detach(), ctx)) is not None:
+            return out
         x = x.detach().reshape(-1)
         n = x.numel()
         k = self.k_for(n)
@@ -139,6 +143,8 @@ class TopK(Compressor):
         return out
 
     def decompress_add_(self, payload, ctx, acc):
+        if acc.is_cuda and (out := cuda_dispatch.topk_decompress_add_(self, payload, ctx, acc)) is not None:
+            return out
         vals, idx = payload
         return acc.index_add_(0, idx.long(), vals.to(acc.dtype))
 

@@ -51,7 +51,10 @@ def test_refine_on_one_rank_times_compute_at_bucket_size():
     comp = compressors.from_spec("qsgd:bits=8")
     m = CostModel({"flat": TierCost("flat", 1, 0.0, 1e9)})
     r = m.refine(LocalCommunicator(), comp, [(1 << 18, torch.float32)], ["allgather"], compute_numel=1 << 18)
-    assert r.mem_per_element > 0 and r.compute[comp.spec()].compress_per_element > 0
+    # timings: assert what noise cannot flip (a two-point fit's slope can come out 0 when a
+    # busy core stalls the small size); the predicted time at the bucket size is positive
+    cc = r.compute[comp.spec()]
+    assert r.mem_per_element > 0 and cc.compress_per_element >= 0 and cc.compress(1 << 18) > 0
     assert r.tiers["flat"].betas == {}  # one rank: nothing to probe, nothing hangs
 
 
