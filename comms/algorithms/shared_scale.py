@@ -36,6 +36,7 @@ import logging
 import torch
 
 from compressors.hashrng import stream_key, uniform_into
+from compressors.cuda import dispatch as cuda_dispatch
 from compressors.qsgd import chunk_absmax
 
 from .layout_check import HEADER_BYTES, check_same_layout
@@ -91,21 +92,33 @@ def shared_scale(comm, compressor, x, ctx, store):
     nch = local.numel()
     scales = comm.all_gather(local).wait().view(world, nch).amax(0)  # intermediate round
 
-    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))  # fp32 L/s
-    step = scales / levels  # decode step: identical fp32 on every rank
-    t = torch.empty(n, dtype=torch.float32, device=x.device)
-    t.copy_(xf)
-    _per_chunk_(t, inv, chunk, "mul_")
-    u = torch.empty(n, dtype=torch.float32, device=x.device)
-    uniform_into(u, 0, stream_key(ctx.seed, ctx.step, ctx.bucket ^ _STREAM_SALT, ctx.rank))
-    t.add_(u).floor_().clamp_(-levels, levels)  # clamp: fp rounding of x*L/s may exceed L
-    del u
-    q = t.to(wire_dtype)
-    fut = comm.all_reduce(q)
-    # while the sum is in flight: this rank's decoded contribution (for error feedback)
-    own = _per_chunk_(t, step, chunk, "mul_").to(ctx.dtype)
+    key = stream_key(ctx.seed, ctx.step, ctx.bucket ^ _STREAM_SALT, ctx.rank)
+    # CUDA: one kernel scales, dithers, rounds and casts (same bits as the torch path below)
+    fast = (cuda_dispatch.shared_scale_quantize(xf, chunk, scales, levels, wire_dtype, key, ctx.dtype)
+            if x.is_cuda else None)
+    if fast is not None:
+        q, own, step = fast
+        fut = comm.all_reduce(q)
+    else:
+        inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))  # fp32 L/s
+        step = scales / levels  # decode step: identical fp32 on every rank
+        t = torch.empty(n, dtype=torch.float32, device=x.device)
+        t.copy_(xf)
+        _per_chunk_(t, inv, chunk, "mul_")
+        u = torch.empty(n, dtype=torch.float32, device=x.device)
+        uniform_into(u, 0, key)
+        t.add_(u).floor_().clamp_(-levels, levels)  # clamp: fp rounding of x*L/s may exceed L
+        del u
+        q = t.to(wire_dtype)
+        fut = comm.all_reduce(q)
+        # while the sum is in flight: this rank's decoded contribution (for error feedback)
+        own = _per_chunk_(t, step, chunk, "mul_").to(ctx.dtype)
 
     def done(f):
+        if f.value().is_cuda:
+            dec = cuda_dispatch.shared_scale_decode(f.value(), chunk, step, ctx.dtype)
+            if dec is not None:
+                return dec, own
         out = f.value().to(torch.float32)
         return _per_chunk_(out, step, chunk, "mul_").to(ctx.dtype), own
 

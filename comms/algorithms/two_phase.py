@@ -34,6 +34,8 @@ import logging
 
 import torch
 
+from compressors.cuda import dispatch as cuda_dispatch
+
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
@@ -96,28 +98,33 @@ def two_phase(comm, compressor, x, ctx, store):
     del payloads
 
     recv = fut1.wait()  # intermediate round: waited here, see the module docstring
-    acc_dtype = _acc_dtype(ctx.dtype)
-    acc = torch.zeros(m, dtype=acc_dtype, device=x.device)
-    for i in range(world):  # rank order: one floating-point summation order
-        compressor.decompress_add_(from_bytes(recv[i * nb:(i + 1) * nb], layout),
-                                   chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
-    del recv
-    owner_in = acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
     ctx2 = chunk_context(ctx, world, 2, rank, rank)
     use_ef = _owner_ef(compressor)
-    if use_ef:
-        res = store.get(_RESIDUAL)
-        if res is not None and (res.numel() != m or res.dtype != ctx.dtype or res.device != x.device):
-            logger.debug("two_phase: bucket %d layout changed; owner residual reset", ctx.bucket)
-            res = None
-        if res is not None:
-            owner_in.add_(res)  # owner_in is a fresh tensor (acc or its cast)
-    p2 = compressor.compress(owner_in, ctx2)
-    if use_ef:
-        res = store.get(_RESIDUAL)
-        if res is None or res.numel() != m or res.dtype != ctx.dtype or res.device != x.device:
-            res = store[_RESIDUAL] = torch.empty(m, dtype=ctx.dtype, device=x.device)
-        torch.sub(owner_in, compressor.decompress(p2, ctx2), out=res)
+    # CUDA + QSGD: one fused kernel reads every rank's chunk once, sums in rank order and
+    # re-quantizes (same bits as the torch path below); None: not applicable here
+    p2 = (cuda_dispatch.two_phase_qsgd_owner(compressor, recv, world, m, ctx2)
+          if recv.is_cuda and not use_ef else None)
+    if p2 is None:
+        acc_dtype = _acc_dtype(ctx.dtype)
+        acc = torch.zeros(m, dtype=acc_dtype, device=x.device)
+        for i in range(world):  # rank order: one floating-point summation order
+            compressor.decompress_add_(from_bytes(recv[i * nb:(i + 1) * nb], layout),
+                                       chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
+        del recv
+        owner_in = acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
+        if use_ef:
+            res = store.get(_RESIDUAL)
+            if res is not None and (res.numel() != m or res.dtype != ctx.dtype or res.device != x.device):
+                logger.debug("two_phase: bucket %d layout changed; owner residual reset", ctx.bucket)
+                res = None
+            if res is not None:
+                owner_in.add_(res)  # owner_in is a fresh tensor (acc or its cast)
+        p2 = compressor.compress(owner_in, ctx2)
+        if use_ef:
+            res = store.get(_RESIDUAL)
+            if res is None or res.numel() != m or res.dtype != ctx.dtype or res.device != x.device:
+                res = store[_RESIDUAL] = torch.empty(m, dtype=ctx.dtype, device=x.device)
+            torch.sub(owner_in, compressor.decompress(p2, ctx2), out=res)
     layout2 = layout_of(p2)
     nb2 = nbytes_of(layout2)
     fut2 = comm.all_gather(to_bytes(p2))
