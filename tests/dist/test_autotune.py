@@ -68,7 +68,7 @@ def test_auto_tunes_to_one_plan_and_replicas_stay_equal(world):
     assert o0["locked"], o0["plan"]
     assert len(o0["trials"]) >= 2 and o0["trials"][0] == "dense"  # dense + >= 1 compressed plan
     # compressed trials really ran compressed algorithms (steps 3..: the second trial)
-    assert any(u for u in o0["used"]), o0["used"]
+    assert any(set(u) - {"dense"} for u in o0["used"]), o0["used"]  # dense buckets are in stats too
     for r in range(1, world):
         assert out[r]["rules"] == o0["rules"], "ranks ran different plans"
         assert out[r]["table"] == o0["table"], "ranks agreed on different timings"
