@@ -21,8 +21,8 @@ Cases on ``--n`` fp32 values (default 25M = 100 MB):
 
 Usage::
 
-    python bench/compressors.py                      # print the table
-    python bench/compressors.py --out bench/results/compressors.md
+    python bench/compressor_speed.py                      # print the table
+    python bench/compressor_speed.py --out bench/results/compressors.md
 """
 
 from __future__ import annotations
