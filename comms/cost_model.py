@@ -462,14 +462,21 @@ def _allreduce_max(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
 
 
 def _time_allreduce(flat: Communicator, c: Communicator, nbytes: int, reps: int) -> float:
-    """Seconds per allreduce of ``nbytes`` on ``c``, every group of the tier at once."""
+    """Seconds per allreduce of ``nbytes`` on ``c``, every group of the tier at once.
+
+    The median of single timed ops (at least 5 below 1 MiB, where one is a few ms): a mean
+    lets one slow op (scheduling on a shared machine) inflate the fitted latency. The count
+    depends only on the arguments, so it is the same on every rank.
+    """
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
     c.all_reduce(buf).wait()  # warm: connections, first touch
     flat.all_reduce(torch.zeros(1)).wait()  # line every rank up before timing
-    t0 = time.perf_counter()
-    for _ in range(reps):
+    ts = []
+    for _ in range(max(reps, 5) if nbytes < 1 << 20 else reps):
+        t0 = time.perf_counter()
         c.all_reduce(buf).wait()
-    return (time.perf_counter() - t0) / reps
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 def _time_op(flat: Communicator, c: Communicator, op: str, dtype: torch.dtype, nbytes: int) -> float:
