@@ -45,7 +45,10 @@ __all__ = ["TierCost", "ComputeCost", "CostModel", "ALGORITHM_COSTS", "FAMILY_CO
 
 logger = logging.getLogger(__name__)
 
-PROBE_SIZES = (16 << 10, 4 << 20)  # bytes: latency-bound and bandwidth-bound
+# bytes: the small end of real buckets (smaller ones go dense) and a bandwidth-bound size. gloo
+# takes other code paths for tiny messages (16 KiB over 4 ranks measured slower than 256 KiB
+# on netsim), so a latency fitted there mis-predicts the bucket sizes that matter
+PROBE_SIZES = (128 << 10, 4 << 20)
 SAMPLE_NUMELS = (1 << 12, 1 << 20)  # compressor timing sample sizes
 PROBE_CAP_BYTES = 8 << 20  # refine(): largest probe collective (~70 ms at 1 Gb/s)
 COMPUTE_NUMEL = 1 << 22  # refine(): compute timed at up to 16 MB of fp32 (past the caches)
@@ -464,15 +467,18 @@ def _allreduce_max(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
 def _time_allreduce(flat: Communicator, c: Communicator, nbytes: int, reps: int) -> float:
     """Seconds per allreduce of ``nbytes`` on ``c``, every group of the tier at once.
 
-    The median of single timed ops (at least 5 below 1 MiB, where one is a few ms): a mean
+    The median of single timed ops (at least 7 below 1 MiB, where one is a few ms): a mean
     lets one slow op (scheduling on a shared machine) inflate the fitted latency. The count
     depends only on the arguments, so it is the same on every rank.
     """
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
     c.all_reduce(buf).wait()  # warm: connections, first touch
-    flat.all_reduce(torch.zeros(1)).wait()  # line every rank up before timing
+    one = torch.zeros(1)
     ts = []
-    for _ in range(max(reps, 5) if nbytes < 1 << 20 else reps):
+    for _ in range(max(reps, 7) if nbytes < 1 << 20 else reps):
+        # line every rank up before each timed op: back-to-back ops would also time the
+        # skew between ranks that the previous op left behind (a hook's op starts aligned)
+        flat.all_reduce(one).wait()
         t0 = time.perf_counter()
         c.all_reduce(buf).wait()
         ts.append(time.perf_counter() - t0)
