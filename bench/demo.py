@@ -88,6 +88,7 @@ def run_rank(rank: int, world: int, hooks: list[str], steps: int, batch: int, lr
                      "train_loss": train_loss, "test_acc": acc, "wire_bytes": wire,
                      "dense_bytes": dense_bytes,
                      "step_ms": 1000 * statistics.median(times[5:]),
+                     "plan": str(state.plan) if state is not None and state.algorithm == "auto" else "",
                      "params_hash": float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().sum())})
     return rows
 
@@ -118,6 +119,9 @@ def main(argv=None) -> int:
               f"{row['test_acc']:>9.3f} {row['wire_bytes']:>12,} "
               f"{row['dense_bytes'] / row['wire_bytes']:>8.1f}x {row['step_ms']:>8.2f} "
               f"{'equal' if same else 'DIFFER':>9}")
+    for row in results[0]:
+        if row["plan"]:
+            print(f"\nauto's plan for {row['hook']} (rank 0):\n{row['plan']}")
     return 0
 
 

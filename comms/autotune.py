@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["Autotuner", "flush_owner_residual_", "DENSE", "MODEL"]
+__all__ = ["Autotuner", "choose_rule", "flush_owner_residual_", "DENSE", "MODEL", "MIN_GAIN_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +188,16 @@ class Autotuner:
         return "\n".join(lines)
 
 
-def choose_rule(scores: Sequence[tuple[str, float, int]], prefer_dense: float) -> str:
-    """The fastest compressed rule if it beats dense by ``prefer_dense``, else ``"dense"``.
+# a compressed plan must also save at least this much per step: below it, 3 timed steps on a
+# shared CPU cannot tell a real gain from scheduling noise (make demo's 2-5 ms steps picked a
+# slower compressed plan once on relative margins alone)
+MIN_GAIN_S = 1e-3
+
+
+def choose_rule(scores: Sequence[tuple[str, float, int]], prefer_dense: float,
+                min_gain: float = MIN_GAIN_S) -> str:
+    """The fastest compressed rule if it beats dense by ``prefer_dense`` (relative) and by
+    ``min_gain`` seconds, else ``"dense"``.
 
     ``scores[0]`` is dense. Ties keep the earlier (better-predicted) rule; a rule without a
     finite score never wins; without a dense score a compressed rule must simply be finite.
@@ -201,7 +209,7 @@ def choose_rule(scores: Sequence[tuple[str, float, int]], prefer_dense: float) -
             best, best_t = rule, t
     if best == DENSE:
         return DENSE
-    if math.isfinite(dense) and not best_t < dense * (1 - prefer_dense):
+    if math.isfinite(dense) and not best_t < min(dense * (1 - prefer_dense), dense - min_gain):
         return DENSE
     return best
 

@@ -127,6 +127,9 @@ def test_choose_rule_and_schedule_without_processes():
     assert choose_rule([("dense", 1.0, 2), ("a", 0.97, 2)], 0.03) == "dense"  # needs > 3%
     assert choose_rule([("dense", 1.0, 2), ("a", 0.5, 2), ("b", 0.5, 2)], 0.03) == "a"  # tie: earlier
     assert choose_rule([("dense", 1.0, 2), ("a", math.nan, 0)], 0.03) == "dense"
+    # millisecond steps: 10% faster but only 0.4 ms saved is noise, not a reason to compress
+    assert choose_rule([("dense", 0.004, 3), ("a", 0.0036, 3)], 0.03) == "dense"
+    assert choose_rule([("dense", 0.004, 3), ("a", 0.0036, 3)], 0.03, min_gain=1e-4) == "a"
     # schedule: 3 trials x 3 steps from step 4; the first step of each trial is not counted
     t = Autotuner(steps_per_trial=3, trials=2)
     per_step = {"dense": 1.0, "x": 0.7, "y": 0.9}
