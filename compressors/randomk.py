@@ -85,10 +85,15 @@ class RandomK(Compressor):
     def indices(self, ctx) -> torch.Tensor:
         key = stream_key(self.seed ^ ctx.seed, ctx.step, ctx.bucket, SHARED)
         tag = (ctx.numel, key, str(ctx.device))
-        if self._cache is None or self._cache[0] != tag:
-            idx = shared_indices(ctx.numel, self.k_for(ctx.numel), key, ctx.device)
-            self._cache = (tag, idx)
-        return self._cache[1]
+        # read the cache once: decode callbacks run on the backend's thread while the hook
+        # compresses the next bucket here, and re-reading self._cache could return the other
+        # bucket's indices (seen as a shape mismatch in a CI run)
+        cache = self._cache
+        if cache is not None and cache[0] == tag:
+            return cache[1]
+        idx = shared_indices(ctx.numel, self.k_for(ctx.numel), key, ctx.device)
+        self._cache = (tag, idx)
+        return idx
 
     def compress(self, x, ctx):
         check_input(x)
