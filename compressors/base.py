@@ -24,7 +24,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-__all__ = ["Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
+__all__ = ["ScaledCodesDecoder", "Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
            "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty", "PayloadPool"]
 
 logger = logging.getLogger(__name__)
@@ -393,3 +393,33 @@ def _fmt(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return repr(v) if isinstance(v, float) else str(v)
+
+
+class ScaledCodesDecoder(Compressor):
+    """Decode entry points shared by codecs whose payload is ``[scales, packed codes]``
+    (QSGD, ScaledSign): each subclass implements ``_decode(payload, ctx, out, accumulate)``
+    and names its CUDA launchers in ``_cuda_decompress`` / ``_cuda_decompress_add_``
+    (``compressors.cuda.dispatch`` functions returning None when they do not apply)."""
+
+    _cuda_decompress = None
+    _cuda_decompress_add_ = None
+
+    def decompress(self, payload, ctx):
+        if payload[1].is_cuda and (out := type(self)._cuda_decompress(self, payload, ctx)) is not None:
+            return out
+        out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
+        return self._decode(payload, ctx, out, accumulate=False)
+
+    def decompress_into(self, payload, ctx, out):
+        if not out.is_contiguous() or out.numel() != ctx.numel:
+            return super().decompress_into(payload, ctx, out)
+        self._decode(payload, ctx, out.view(-1), accumulate=False)
+        return out
+
+    def decompress_add_(self, payload, ctx, acc):
+        if acc.is_cuda and (out := type(self)._cuda_decompress_add_(self, payload, ctx, acc)) is not None:
+            return out
+        if not acc.is_contiguous() or acc.numel() != ctx.numel:
+            return super().decompress_add_(payload, ctx, acc)
+        self._decode(payload, ctx, acc.view(-1), accumulate=True)
+        return acc

@@ -30,7 +30,7 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
+from .base import Compressor, ScaledCodesDecoder, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import check_bits, pack, packed_nbytes, unpack
 from .cuda import dispatch as cuda_dispatch
 from .hashrng import add_uniform_, stream_key
@@ -117,13 +117,16 @@ _NP_CAST_OK = _np_cast_ok()
 
 
 @register("qsgd")
-class QSGD(Compressor):
+class QSGD(ScaledCodesDecoder):
     """Stochastic b-bit quantization (QSGD-style) with per-chunk scales.
 
     Args:
         bits: 1, 2, 4 or 8 bits per element on the wire.
         chunk: elements per scale (one fp32 scale per chunk).
     """
+
+    _cuda_decompress = cuda_dispatch.qsgd_decompress
+    _cuda_decompress_add_ = cuda_dispatch.qsgd_decompress_add_
 
     name = "qsgd"
     families = ("allgather", "two_phase", "shared_scale")  # shared_scale: comms.algorithms.shared_scale
@@ -259,26 +262,6 @@ class QSGD(Compressor):
         return self._decode_blocks(
             ctx, out, accumulate, packed.device,
             lambda b0, b1, f: self._decode_block(s, w, packed, b0, b1, f, ws))
-
-    def decompress(self, payload, ctx):
-        if payload[1].is_cuda and (out := cuda_dispatch.qsgd_decompress(self, payload, ctx)) is not None:
-            return out
-        out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
-        return self._decode(payload, ctx, out, accumulate=False)
-
-    def decompress_into(self, payload, ctx, out):
-        if not out.is_contiguous() or out.numel() != ctx.numel:
-            return super().decompress_into(payload, ctx, out)
-        self._decode(payload, ctx, out.view(-1), accumulate=False)
-        return out
-
-    def decompress_add_(self, payload, ctx, acc):
-        if acc.is_cuda and (out := cuda_dispatch.qsgd_decompress_add_(self, payload, ctx, acc)) is not None:
-            return out
-        if not acc.is_contiguous() or acc.numel() != ctx.numel:
-            return super().decompress_add_(payload, ctx, acc)
-        self._decode(payload, ctx, acc.view(-1), accumulate=True)
-        return acc
 
     def error_bound(self, x):
         """``w = 2s/M`` per element, plus fp32 rounding slack (``s * 2**-19``) and, for

@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
+from .base import Compressor, ScaledCodesDecoder, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
 from .cuda import dispatch as cuda_dispatch
 from .registry import register
@@ -35,12 +35,15 @@ _GRAIN = 32768  # at::internal::GRAIN_SIZE: one-output reductions above it split
 
 
 @register("sign", "scaledsign", "signsgd")
-class ScaledSign(Compressor):
+class ScaledSign(ScaledCodesDecoder):
     """Scaled sign compression.
 
     Args:
         chunk: elements per scale.
     """
+
+    _cuda_decompress = cuda_dispatch.sign_decompress
+    _cuda_decompress_add_ = cuda_dispatch.sign_decompress_add_
 
     name = "sign"
     families = ("allgather", "two_phase")
@@ -162,26 +165,6 @@ class ScaledSign(Compressor):
                     fs.mul_(s[ci])
 
         return self._decode_blocks(ctx, out, accumulate, packed.device, block)
-
-    def decompress(self, payload, ctx):
-        if payload[1].is_cuda and (out := cuda_dispatch.sign_decompress(self, payload, ctx)) is not None:
-            return out
-        out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
-        return self._decode(payload, ctx, out, accumulate=False)
-
-    def decompress_into(self, payload, ctx, out):
-        if not out.is_contiguous() or out.numel() != ctx.numel:
-            return super().decompress_into(payload, ctx, out)
-        self._decode(payload, ctx, out.view(-1), accumulate=False)
-        return out
-
-    def decompress_add_(self, payload, ctx, acc):
-        if acc.is_cuda and (out := cuda_dispatch.sign_decompress_add_(self, payload, ctx, acc)) is not None:
-            return out
-        if not acc.is_contiguous() or acc.numel() != ctx.numel:
-            return super().decompress_add_(payload, ctx, acc)
-        self._decode(payload, ctx, acc.view(-1), accumulate=True)
-        return acc
 
     def error_bound(self, x):
         """``|x| + s`` per element (plus the rounding of the decoded value for fp16/bf16)."""
