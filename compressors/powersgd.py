@@ -48,6 +48,7 @@ import torch
 from .base import Compressor, check_input
 from .hashrng import SHARED, stream_key, uniform
 from .registry import register
+from .reproducible import OUTER_BLOCK_ELEMS, outer_sum_into, tree_dot, tree_norm
 
 __all__ = ["PowerSGD", "LayerPlan", "matrix_shape", "orthogonalize_", "orthogonalize_batched_"]
 
@@ -61,25 +62,24 @@ def matrix_shape(numel: int) -> tuple[int, int]:
 
 
 def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Gram-Schmidt on the columns of ``p`` in place (deterministic: fixed op order)."""
-    for i in range(p.shape[1]):
-        col = p[:, i]
-        for j in range(i):
-            col.sub_(torch.dot(col, p[:, j]) * p[:, j])
-        col.div_(torch.linalg.vector_norm(col) + eps)
-    return p
+    """Gram-Schmidt on the columns of ``p`` (``rows x r``) in place.
+
+    Runs after the ``P`` allreduce, so it must give the same bits on every rank: dot products
+    and norms are :mod:`compressors.reproducible` tree sums, never BLAS or torch reductions.
+    """
+    return orthogonalize_batched_(p.unsqueeze(0), eps).squeeze(0)
 
 
 def orthogonalize_batched_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Gram-Schmidt on the columns of every matrix of ``p`` (``k x rows x r``) in place.
 
-    Fixed op order, so ranks holding the same summed bits get the same result."""
+    Rank-reproducible (see :func:`orthogonalize_`): only elementwise ops in a fixed order."""
     for i in range(p.shape[2]):
         col = p[:, :, i]
         for j in range(i):
             pj = p[:, :, j]
-            col.sub_((col * pj).sum(-1, keepdim=True) * pj)
-        col.div_(torch.linalg.vector_norm(col, dim=-1, keepdim=True) + eps)
+            col.sub_(tree_dot(col, pj) * pj)
+        col.div_(tree_norm(col) + eps)
     return p
 
 
@@ -261,20 +261,23 @@ class PowerSGD(Compressor):
             pos += n
         return qbuf
 
+    def _outer_scratch(self, cols: int, device) -> torch.Tensor:
+        return self.workspace().get("outer", 2 * max(OUTER_BLOCK_ELEMS, cols), torch.float32, device)
+
     def _layer_decode(self, plan: LayerPlan, pbuf, qbuf, ctx, dense_src=None) -> torch.Tensor:
         """``P Q^T`` of every matrix, and the uncompressed elements (from ``qbuf`` after its
-        factors, or from ``dense_src``), into a fresh flat tensor of ``ctx.dtype``."""
+        factors, or from ``dense_src``), into a fresh flat tensor of ``ctx.dtype``.
+
+        The aggregate must be bitwise equal on every rank, so the products are summed in a
+        fixed order (:func:`outer_sum_into`), never by BLAS; this rank's own part (for error
+        feedback) is decoded the same way, so that at world size 1 it equals the aggregate."""
         out = torch.empty(ctx.numel, dtype=ctx.dtype, device=pbuf.device)
-        direct = ctx.dtype == torch.float32
         for g in plan.groups:
             p, q = self._pv(pbuf, g), self._qv(qbuf, g)
             rc = g.rows * g.cols
+            scratch = self._outer_scratch(g.cols, pbuf.device)
             for i, o in enumerate(g.offsets):  # straight into the output: no batch temp
-                dst = out[o: o + rc].view(g.rows, g.cols)
-                if direct:
-                    torch.mm(p[i], q[i], out=dst)
-                else:
-                    dst.copy_(p[i] @ q[i])
+                outer_sum_into(out[o: o + rc].view(g.rows, g.cols), p[i], q[i], scratch)
         pos = plan.q_numel
         for o, n in plan.dense:
             out[o: o + n].copy_(dense_src[o: o + n] if dense_src is not None else qbuf[pos: pos + n])
@@ -320,7 +323,13 @@ class PowerSGD(Compressor):
         shapes = ctx.known_shapes()
         if shapes:
             return self._layer_decode(self.layer_plan(shapes), p, q, ctx)
-        return (p @ q.t()).reshape(-1)[: ctx.numel].to(ctx.dtype)
+        return self._flat_decode(p, q, ctx)
+
+    def _flat_decode(self, p, q, ctx) -> torch.Tensor:
+        """``P Q^T`` of the flat matrix in a fixed summation order (rank-reproducible)."""
+        m = torch.empty(p.shape[0], q.shape[0], dtype=torch.float32, device=p.device)
+        outer_sum_into(m, p, q.t(), self._outer_scratch(q.shape[0], p.device))
+        return m.reshape(-1)[: ctx.numel].to(ctx.dtype)
 
     def error_bound(self, x):
         # a projection: |error_ij| <= ||M - P P^T M||_F <= ||M||_F (dense buckets: exact)
@@ -349,13 +358,13 @@ class PowerSGD(Compressor):
         orthogonalize_(p)
         q_local = m.t() @ p
         fut = comm.all_reduce(q_local.clone())
-        own = (p @ q_local.t()).reshape(-1)[: ctx.numel].to(ctx.dtype)  # overlaps the Q round
+        own = self._flat_decode(p, q_local, ctx)  # overlaps the Q round
 
         def done(f):
             q_sum = f.value()
             store["powersgd_p"] = p
             store["powersgd_q"] = q_sum
-            return (p @ q_sum.t()).reshape(-1)[: ctx.numel].to(ctx.dtype), own
+            return self._flat_decode(p, q_sum, ctx), own
 
         return fut.then(done)
 

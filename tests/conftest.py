@@ -10,3 +10,15 @@ for p in (*(os.path.join(TESTS, d) for d in ("unit", "gpu", "mpi", "netsim")), T
     if p not in sys.path:
         sys.path.insert(0, p)
 os.environ.setdefault("PYTHONPATH", ROOT)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``longrun`` soak tests run only when asked for (``pytest -m longrun``, as CI does)."""
+    import pytest
+
+    if "longrun" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="longrun soak test: run with `pytest -m longrun` (CI does)")
+    for item in items:
+        if "longrun" in item.keywords:
+            item.add_marker(skip)
