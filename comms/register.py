@@ -8,6 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .hook import compression_hook
+from .replicas import ReplicaGuard
 from .state import CompressionState
 
 __all__ = ["make_hook", "register"]
@@ -39,11 +40,21 @@ def make_hook(compressor, *, process_group=None, error_feedback: bool | None = N
     return state, compression_hook
 
 
-def register(ddp_model, compressor, **kwargs) -> CompressionState:
+def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
+             **kwargs) -> CompressionState:
     """Register the compression hook on a DDP model and return its state.
 
     The state is bound to the model's parameter names (``state.bind``), so its bucket
     layouts survive a restart (bit-exact resume from ``state.state_dict()``).
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model.
+        compressor: a :class:`compressors.Compressor` or a spec string.
+        check_replicas_every: ``N`` > 0 compares the parameters of all ranks (a fingerprint
+            allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
+            backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
+            first differing parameter. ``None``/0: off.
+        **kwargs: as :func:`make_hook`.
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
@@ -61,8 +72,14 @@ def register(ddp_model, compressor, **kwargs) -> CompressionState:
         raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
+    guard = None
+    if check_replicas_every:  # validated before anything is registered
+        guard = ReplicaGuard(ddp_model.module, check_replicas_every)
+    elif check_replicas_every not in (None, 0) or isinstance(check_replicas_every, bool):
+        raise TypeError(f"check_replicas_every must be an int, got {check_replicas_every!r}")
     state, hook = make_hook(compressor, **kwargs)
     state.bind(ddp_model)
+    state.replica_guard = guard
     try:
         ddp_model.register_comm_hook(state, hook)
     except RuntimeError as exc:  # DDP refuses a second hook of any kind

@@ -14,7 +14,7 @@ import torch
 
 from .communicator import Communicator, TorchCommunicator
 
-__all__ = ["check_replicas", "ReplicaMismatchError", "param_fingerprint"]
+__all__ = ["check_replicas", "ReplicaMismatchError", "param_fingerprint", "ReplicaGuard"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,3 +90,34 @@ def check_replicas(model: torch.nn.Module, process_group=None, *, buffers: bool 
             f"between ranks: rank(s) {odd} differ from rank 0 (checked on rank {comm.rank}); "
             f"{int((~same).any(dim=0).sum())} of {len(named)} tensors differ")
     return table.cpu()
+
+
+class ReplicaGuard:
+    """The opt-in safety net of ``register(..., check_replicas_every=N)``.
+
+    The hook calls :meth:`maybe_check` with the first bucket of every step; at steps
+    ``N, 2N, ...`` (the parameters then hold ``step`` optimizer updates; backward does not
+    touch them) it runs :func:`check_replicas`, which raises
+    :class:`ReplicaMismatchError` on every rank naming the first differing parameter. Costs
+    two tiny collectives and one host sync every ``N`` steps, none otherwise.
+
+    Holds a reference to the module; not pickled with the hook state.
+    """
+
+    __slots__ = ("module", "every", "checks")
+
+    def __init__(self, module: torch.nn.Module, every: int):
+        if isinstance(every, bool) or not isinstance(every, int):
+            raise TypeError(f"check_replicas_every must be an int, got {every!r}")
+        if every < 1:
+            raise ValueError(f"check_replicas_every must be >= 1 (or 0/None: off), got {every!r}")
+        self.module, self.every, self.checks = module, every, 0
+
+    def maybe_check(self, step: int, comm: Communicator) -> None:
+        if step > 0 and step % self.every == 0:
+            try:
+                check_replicas(self.module, communicator=comm)
+            except ReplicaMismatchError as exc:
+                raise ReplicaMismatchError(f"commpress: replica check at step {step} "
+                                           f"(check_replicas_every={self.every}): {exc}") from None
+            self.checks += 1

@@ -127,11 +127,11 @@ class CompressionState:
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
         "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layouts", "param_names", "nonfinite_buckets", "_checked", "_pending",
-        "_warned_nonfinite", "_restored", "_loose", "_param_numels", "__weakref__",
+        "_warned_nonfinite", "_restored", "_loose", "_param_numels", "replica_guard", "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "_checked", "_pending", "_restored", "_loose",
-                  "_param_numels", "__weakref__")
+                  "_param_numels", "replica_guard", "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
@@ -207,6 +207,7 @@ class CompressionState:
         self._warned_nonfinite = False
         self._checked: set = set()   # (bucket, numel, dtype) whose config passed the check
         self._pending: list = []     # this step's compressed buckets awaiting the non-finite flag
+        self.replica_guard = None    # comms.replicas.ReplicaGuard, set by register()
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -353,6 +354,7 @@ class CompressionState:
     def __setstate__(self, st):
         self.process_group = None
         self.communicator = None
+        self.replica_guard = None
         self._reset_transient()
         for k, v in st.items():
             setattr(self, k, v)

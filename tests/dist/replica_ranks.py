@@ -74,3 +74,29 @@ def train_case(rank: int, world: int, spec: str, algorithm: str, steps: int, che
 def run_cases(rank: int, world: int, cases, steps: int, check_every: int) -> list:
     """Every ``(spec, algorithm)`` of ``cases`` in turn on the same process group."""
     return [train_case(rank, world, spec, alg, steps, check_every) for spec, alg in cases]
+
+
+def guard_case(rank: int, world: int, steps: int, every: int, perturb_at: int | None):
+    """Train with ``check_replicas_every=every``; at step ``perturb_at`` rank 1 nudges one
+    element of ``up.weight`` by one ulp. Returns ``("ok", checks)`` or ``("raised", message)``."""
+    torch.manual_seed(0)
+    model = OddNet()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=0.01)
+    state = comms.register(ddp, "powersgd:rank=2", algorithm="allreduce", check_replicas_every=every)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    for s in range(steps):
+        if s == perturb_at and rank == 1:
+            with torch.no_grad():
+                w = model.up.weight.view(-1)
+                w[7] = torch.nextafter(w[7], torch.tensor(float("inf")))
+        x = torch.randint(0, 50, (8, 14), generator=g)
+        y = torch.randint(0, 5, (8,), generator=g)
+        try:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001 - the test inspects the message
+            return ("raised", s, type(exc).__name__, str(exc))
+        opt.step()
+    return ("ok", state.replica_guard.checks)
