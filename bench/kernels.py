@@ -10,7 +10,7 @@ Bytes counted per kernel are the bytes it must read plus write (payload, scales,
 ``%copy`` is GB/s over the GB/s of ``dst.copy_(src)`` on fp32 of the same size (8 bytes per
 element moved), measured in the same run. Times are CUDA-event medians after warm-up.
 
-Targets (DESIGN.md §7, issue 5): quantize / dequantize / pack >= 80 %copy; approximate top-k
+Targets (issue 5): quantize / dequantize / pack >= 80 %copy; approximate top-k
 1% of 100M >= 10x faster than torch.topk with density within ±10%; fused two-phase owner step
 (decode-sum-requantize) >= 60 %copy.
 

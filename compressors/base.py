@@ -1,7 +1,7 @@
 """The ``Compressor`` interface: tensor -> payload (what goes on the wire) -> tensor.
 
 Compressors are pure: no process groups, no communication, no DDP. They declare which
-aggregation families (DESIGN.md §3) can move their payloads:
+aggregation families (comms/ARCHITECTURE.md §3) can move their payloads:
 
 * ``"allreduce"``  payload tensors can be summed elementwise (linear family);
 * ``"allgather"``  payloads are rank specific: gather all, decode each, sum in rank order;
@@ -309,7 +309,7 @@ class Compressor:
         Same bits as that expression (``out`` may have another dtype than ``ctx.dtype``: the
         decoded values are rounded to ``ctx.dtype`` first). Returns ``out``. Compressors with a
         blocked fast path override it; a fresh 100 MB result costs ~40 ms of page faults on
-        CPU (DESIGN.md §9), so hot paths should decode into a reused buffer.
+        CPU (its first touch page-faults), so hot paths should decode into a reused buffer.
         """
         return out.copy_(self.decompress(payload, ctx))
 
