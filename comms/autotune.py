@@ -26,7 +26,7 @@ rank adopts the SAME plan (a plan that differed between ranks would mismatch col
 Error feedback across switches: when a bucket moves to another algorithm, the hook adds the
 residuals that belonged to the old one (its own EF residual when the bucket goes dense, the
 two-phase owner residual always) into the bucket once and clears them
-(:func:`flush_owner_residual_`), so no gradient mass is lost.
+(``Algorithm.flush_residual_``), so no gradient mass is lost.
 
 Example::
 
@@ -48,13 +48,12 @@ import math
 import statistics
 from typing import Callable, Sequence
 
-import torch
+from .algorithms import DENSE
 
-__all__ = ["Autotuner", "choose_rule", "flush_owner_residual_", "DENSE", "MODEL", "MIN_GAIN_S"]
+__all__ = ["Autotuner", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S"]
 
 logger = logging.getLogger(__name__)
 
-DENSE = "dense"
 MODEL = "model"
 
 
@@ -212,33 +211,3 @@ def choose_rule(scores: Sequence[tuple[str, float, int]], prefer_dense: float,
     if math.isfinite(dense) and not best_t < min(dense * (1 - prefer_dense), dense - min_gain):
         return DENSE
     return best
-
-
-def flush_owner_residual_(x: torch.Tensor, store: dict, algorithm: str | None, comm) -> bool:
-    """Add a two-phase owner residual kept in ``store`` into ``x`` where its owner sums it.
-
-    The owner residual of rank ``r`` is compression error of chunk ``r`` of the *sum*; adding
-    it into this rank's own ``x`` at that chunk puts it into the next sum exactly once,
-    whatever algorithm (or dense allreduce) moves ``x`` next. Returns whether one was added.
-    """
-    from .algorithms.two_phase import _RESIDUAL
-
-    res = store.get(_RESIDUAL)
-    if res is None or algorithm is None:
-        return False
-    n = x.numel()
-    if algorithm.startswith("hier_"):
-        intra, inter = getattr(comm, "intra", None), getattr(comm, "inter", None)
-        if intra is None or inter is None:
-            return False
-        shard = -(-n // intra.world_size)
-        m = -(-shard // inter.world_size)
-        lo = intra.rank * shard + inter.rank * m
-        hi = min(n, intra.rank * shard + shard, lo + m)
-    else:
-        m = -(-n // comm.world_size)
-        lo = comm.rank * m
-        hi = min(n, lo + m)
-    if hi > lo and res.numel() >= hi - lo:
-        x[lo:hi].add_(res[: hi - lo].to(x.dtype))
-    return True

@@ -13,7 +13,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-__all__ = ["Communicator", "TorchCommunicator"]
+from .futures import completed
+
+__all__ = ["Communicator", "TorchCommunicator", "LocalCommunicator", "allreduce_max"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,3 +113,31 @@ def _all_gather_into(out, t, group):
 
 def _reduce_scatter_into(out, t, group):
     return _RS(out, t, group=group, async_op=True)
+
+
+class LocalCommunicator(Communicator):
+    """A one-rank communicator (every collective is the identity): times compute alone."""
+
+    backend, rank, world_size = "local", 0, 1
+
+    def all_reduce(self, t):
+        return completed(t)
+
+    def all_gather(self, t):
+        return completed(t.clone())
+
+    def all_to_all(self, t):
+        return completed(t.clone())
+
+    def reduce_scatter(self, t):
+        return completed(t.clone())
+
+    def broadcast(self, t, src=0):
+        return completed(t)
+
+
+def allreduce_max(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
+    """MAX over ranks with the sum-only interface: allgather, then max (exact in any order).
+    Blocks: for set-up and tuning, never the hook's hot path."""
+    g = comm.all_gather(t).wait()
+    return g.view(comm.world_size, -1).amax(0)

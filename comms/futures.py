@@ -1,13 +1,13 @@
-"""Small helpers over ``torch.futures.Future``: completed futures and flat chaining."""
+"""Small helpers over ``torch.futures.Future`` used by the hook and the communicators."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-__all__ = ["completed", "chain", "failed"]
+__all__ = ["completed", "guarded", "when_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -19,31 +19,36 @@ def completed(value: Any) -> torch.futures.Future:
     return fut
 
 
-def failed(exc: BaseException) -> torch.futures.Future:
-    fut = torch.futures.Future()
-    fut.set_exception(exc)
-    return fut
+def guarded(fut: torch.futures.Future, where: str) -> torch.futures.Future:
+    """Re-raise a failed collective as a ``RuntimeError`` that says which one failed."""
+
+    def check(f):
+        try:
+            return f.value()
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise RuntimeError(f"{where} failed: {exc}") from exc
+
+    return fut.then(check)
 
 
-def chain(fut: torch.futures.Future, fn: Callable[[Any], torch.futures.Future]) -> torch.futures.Future:
-    """Run ``fn(fut.value())`` (which starts more async work and returns a Future) when
-    ``fut`` completes, and return one future for the final value — ``Future.then`` would
-    give a future *of a future*. Exceptions at any stage propagate to the result."""
+def when_all(futs, value) -> torch.futures.Future:
+    """A future of ``value`` once every one of ``futs`` is done (the first error wins).
+
+    Not ``torch.futures.collect_all``: it completes at the first error, before the other
+    futures are done."""
     out = torch.futures.Future()
+    left = [len(futs)]
 
-    def _inner(g):
-        try:
-            out.set_result(g.value())
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the waiter
-            out.set_exception(exc)
+    def one(_f):
+        left[0] -= 1
+        if left[0] == 0:
+            try:
+                for f in futs:
+                    f.value()
+                out.set_result(value)
+            except BaseException as exc:  # noqa: BLE001 - forwarded to DDP
+                out.set_exception(exc)
 
-    def _outer(f):
-        try:
-            nxt = fn(f.value())
-        except BaseException as exc:  # noqa: BLE001
-            out.set_exception(exc)
-            return
-        nxt.add_done_callback(_inner)
-
-    fut.add_done_callback(_outer)
+    for f in futs:
+        f.add_done_callback(one)
     return out

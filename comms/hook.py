@@ -1,26 +1,12 @@
 """``compression_hook``: the DDP communication hook that compresses each gradient bucket.
 
-Guarantees (see README "Troubleshooting and guarantees"):
-
-* **Configuration check.** The first call for each bucket layout allgathers one int64 hash
-  per field of :data:`comms.state.CONFIG_FIELDS` (compressor spec, algorithm, seed,
-  start_iter, ..., step, bucket numel and dtype) and raises ``ValueError`` on every rank,
-  naming the field and this rank's value, before the bucket's data moves.
-* **Non-finite gradients.** Each compressed bucket computes a non-finite flag as a tensor
-  (no host sync); the flags of all buckets of a step ride one tiny allreduce issued with the
-  step's last bucket. A bucket flagged on any rank comes back all-NaN on every rank (so
-  ``GradScaler`` skips the step, as with plain allreduce), and its residual and algorithm
-  store are reset on every rank. The flag is read on the host once per step, in a future
-  callback that runs after the flag allreduce has finished.
-* **Failures.** A collective that fails (dead peer, process-group timeout) completes the
-  bucket's future with a ``RuntimeError`` naming the algorithm or collective, the bucket,
-  its size, the step and the rank.
-* **Bucket layouts.** Residuals and stores belong to a bucket *layout* (its parameters in
-  order). When DDP rebuilds its buckets each parameter's residual moves with it to its new
-  position (the algorithm store starts afresh); when a freshly started process sees DDP's
-  first-iteration buckets after ``load_state_dict``, each saved bucket is cut out of the
-  current one and compressed exactly as before, so a resumed run is bitwise identical to an
-  uninterrupted one.
+Per bucket: configuration check (once per layout, :mod:`comms.config_check`), plain
+allreduce for the first ``start_iter`` iterations, then divide by the world size, add the
+error-feedback residual, run the bucket's algorithm (fixed, or chosen by the ``auto``
+planner), update the residual and write the aggregate into ``bucket.buffer()``. The future
+DDP gets resolves after the step's non-finite flags (:mod:`comms.step_flags`); bucket
+layouts for resume are tracked by :mod:`comms.layouts`. Guarantees are listed in README
+"Troubleshooting and guarantees"; the invariants in ``comms/ARCHITECTURE.md`` §4-5.
 """
 
 
@@ -31,32 +17,15 @@ import torch.distributed as dist
 
 from compressors import Context
 
-from .algorithms import get_algorithm
-from .autotune import flush_owner_residual_
-from .futures import completed
-from .state import CONFIG_FIELDS, BucketStats, CompressionState
+from .algorithms import ALGORITHMS, DENSE, get_algorithm
+from .errors import where
+from .futures import completed, guarded, when_all
+from .state import CompressionState
+from .stats import record_call
 
 __all__ = ["compression_hook", "dense_allreduce"]
 
 logger = logging.getLogger(__name__)
-
-
-def _where(state, what: str, bucket: int, numel: int, dtype, step: int) -> str:
-    comm = state.comm()
-    return (f"commpress: {what} of bucket {bucket} ({numel} x {str(dtype).replace('torch.', '')}) "
-            f"at step {step} on rank {comm.rank} of {comm.world_size}")
-
-
-def _guarded(fut: torch.futures.Future, where: str) -> torch.futures.Future:
-    """Re-raise a failed collective as a RuntimeError that says which one failed."""
-
-    def check(f):
-        try:
-            return f.value()
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise RuntimeError(f"{where} failed: {exc}") from exc
-
-    return fut.then(check)
 
 
 def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures.Future:
@@ -66,52 +35,26 @@ def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures
     return comm.all_reduce(buf)
 
 
-def _check_config(state: CompressionState, index: int, buf: torch.Tensor, step: int) -> None:
-    """Once per (bucket, numel, dtype): every rank must run the same configuration."""
-    key = (index, buf.numel(), buf.dtype)
-    if key in state._checked:
-        return
-    comm = state.comm()
-    mine = state.config_hash(index, buf.numel(), buf.dtype, step)
-    t = torch.tensor(mine, dtype=torch.int64)
-    if buf.device.type != "cpu" and comm.backend not in ("gloo", "mpi"):
-        t = t.to(buf.device)
-    where = _where(state, "configuration-check allgather", index, buf.numel(), buf.dtype, step)
-    try:  # one host sync per bucket layout: what follows depends on the answer
-        table = comm.all_gather(t).wait().view(comm.world_size, len(mine)).cpu().tolist()
-    except Exception as exc:  # noqa: BLE001
-        raise RuntimeError(f"{where} failed: {exc}") from exc
-    values = state.config_values(index, buf.numel(), buf.dtype, step)
-    for f, field in enumerate(CONFIG_FIELDS):
-        differ = [r for r, row in enumerate(table) if row[f] != table[0][f]]
-        if differ:
-            odd = [r for r, row in enumerate(table) if row[f] != mine[f]]
-            raise ValueError(
-                f"commpress: compressor configuration differs between ranks at bucket {index}: "
-                f"{field} is {values[f]!r} on rank {comm.rank}, different on rank(s) {odd}; every "
-                "rank must use the same compressor spec, algorithm, seed, start_iter, options, "
-                "step counter and bucket layout")
-    state._checked.add(key)
+def _flush_residual_(x, store: dict, prev: str | None, comm) -> None:
+    """On a switch away from ``prev``: its kept residual goes into ``x`` once."""
+    alg = ALGORITHMS.get(prev) if prev is not None else None
+    if alg is not None:
+        alg.flush_residual_(x, store, comm)
 
 
-class _Pending:
-    """A compressed (sub-)bucket of this step waiting for the step's non-finite flags."""
-
-    __slots__ = ("bucket", "step", "flag", "x", "fut", "result", "scatter")
-
-    def __init__(self, bucket, step, flag, x, fut, scatter):
-        self.bucket, self.step, self.flag, self.x, self.fut = bucket, step, flag, x, fut
-        self.scatter = scatter
-        self.result = torch.futures.Future()
-
-
-def _record_dense(state: CompressionState, index: int, x: torch.Tensor, world: int) -> None:
-    """Account a bucket the planner sent dense: wire bytes == dense bytes, algorithm "dense"."""
-    st = state.stats.get(index)
-    if st is None or st.numel != x.numel() or st.algorithm != "dense":
-        dense = 2 * (world - 1) * x.numel() * x.element_size() // world
-        st = state.stats[index] = BucketStats(index, x.numel(), x.dtype, "dense", dense, dense)
-    st.calls += 1
+def _on_nonfinite(state: CompressionState):
+    def reset(bucket: int, step: int) -> None:
+        state.reset_bucket(bucket)
+        state.nonfinite_buckets += 1
+        msg = ("commpress: non-finite gradient in bucket %d at step %d: the bucket is NaN on "
+               "every rank (GradScaler skips the step) and its error-feedback residual and "
+               "algorithm store were reset (state.nonfinite_buckets counts these)")
+        if not state._warned_nonfinite:
+            state._warned_nonfinite = True
+            logger.warning(msg + "; logged once", bucket, step)
+        else:
+            logger.debug(msg, bucket, step)
+    return reset
 
 
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
@@ -129,24 +72,24 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     # the old one are added into the bucket once, so no gradient mass is lost
     prev = state.planner.note_used(index, name) if state.planner is not None else None
     switched = prev is not None and prev != name
-    if name == "dense":  # the auto planner routes this bucket to the plain allreduce
+    if name == DENSE:  # the auto planner routes this bucket to the plain allreduce
         state.dense_calls += 1
-        _record_dense(state, index, x, world)
-        where = _where(state, "dense allreduce", index, x.numel(), x.dtype, step)
+        record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
+        what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
         if not switched:
-            return _enqueue(state, index, step, None, x, _guarded(dense_allreduce(state, x), where), scatter)
+            return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter)
         x.div_(world)
         if state.error_feedback:
             state.memory.add_residual_(index, x)
-        flush_owner_residual_(x, state.algo_store.get(index, {}), prev, comm)
+        _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.reset_bucket(index)
-        return _enqueue(state, index, step, None, x, _guarded(comm.all_reduce(x), where), scatter)
+        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter)
     alg = get_algorithm(name)
     x.div_(world)
     if state.error_feedback:
         state.memory.add_residual_(index, x)
     if switched:
-        flush_owner_residual_(x, state.algo_store.get(index, {}), prev, comm)
+        _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
     # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce
     # a plain sum (no float64 copy of the bucket): NaN/Inf anywhere makes it non-finite; a
@@ -154,182 +97,29 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     flag = ~torch.isfinite(x.sum(dtype=torch.float32))  # fp16 sums would overflow at 65504
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
                   bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
-    st = state.stats.get(index)
-    if st is None or st.numel != x.numel() or st.algorithm != alg.name:
-        dense = 2 * (world - 1) * x.numel() * x.element_size() // world
-        wire = alg.wire_bytes(compressor, x.numel(), x.dtype, world)
-        shaped = getattr(compressor, "shaped_wire_bytes", None)
-        if shaped is not None and alg.name == "allreduce" and ctx.known_shapes():
-            # per-tensor payloads (PowerSGD per layer): the ring allreduce of their bytes
-            wire = 2 * (world - 1) * shaped(ctx.known_shapes(), x.dtype) // world
-        st = state.stats[index] = BucketStats(index, x.numel(), x.dtype, alg.name, dense, wire)
-    st.calls += 1
-    where = _where(state, f"{alg.name} collective", index, x.numel(), x.dtype, step)
+    record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, alg.name,
+                lambda: alg.bucket_wire_bytes(compressor, ctx, world))
+    what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
     fut = alg(comm, compressor, x, ctx, state.store(index))
 
     def finish(f):
         try:
             total, own = f.value()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise RuntimeError(f"{where} failed: {exc}") from exc
+            raise RuntimeError(f"{what} failed: {exc}") from exc
         if state.error_feedback:
             state.memory.update_(index, x, own)
         x.copy_(total)
         return x
 
-    return _enqueue(state, index, step, flag, x, fut.then(finish), scatter)
-
-
-def _enqueue(state, index, step, flag, x, fut, scatter=None) -> torch.futures.Future:
-    """Hold a bucket's future until the step's flag allreduce (``flag`` None: a dense bucket)."""
-    p = _Pending(index, step, flag, x, fut, scatter)
-    state._pending.append(p)
-    return p.result
-
-
-def _settle(state: CompressionState, p: _Pending, i: int, flags_fut) -> None:
-    try:
-        x = p.fut.value()
-        flags = flags_fut.value()
-        bad = p.flag is not None and flags[i] > 0
-        if bad:
-            # as with plain allreduce, the non-finite value reaches every rank; the
-            # residual and store must not keep it
-            x.fill_(float("nan"))
-            state.reset_bucket(p.bucket)
-            state.nonfinite_buckets += 1
-            msg = ("commpress: non-finite gradient in bucket %d at step %d: the bucket is NaN on "
-                   "every rank (GradScaler skips the step) and its error-feedback residual and "
-                   "algorithm store were reset (state.nonfinite_buckets counts these)")
-            if not state._warned_nonfinite:
-                state._warned_nonfinite = True
-                logger.warning(msg + "; logged once", p.bucket, p.step)
-            else:
-                logger.debug(msg, p.bucket, p.step)
-        if p.scatter is not None:
-            p.scatter(x)
-        p.result.set_result(x)
-    except BaseException as exc:  # noqa: BLE001 - forwarded to DDP
-        p.result.set_exception(exc)
-
-
-def _flush_pending(state: CompressionState, step: int) -> None:
-    """At the step's last bucket: one allreduce of every compressed bucket's non-finite flag."""
-    pending, state._pending = state._pending, []
-    if not pending:
-        return
-    comm = state.comm()
-    device = pending[-1].x.device
-    no = torch.zeros((), dtype=torch.bool, device=device)
-    # the last element counts the ranks: gloo can hand back garbage instead of an error once a
-    # peer has died, so a count != world means this step's results cannot be trusted
-    flags = torch.cat([torch.stack([no if p.flag is None else p.flag for p in pending]).to(torch.float32),
-                       torch.ones(1, device=device)])
-    if device.type != "cpu" and comm.backend in ("gloo", "mpi"):
-        flags = flags.cpu()
-    where = _where(state, "non-finite-flag allreduce", pending[-1].bucket, flags.numel(),
-                   flags.dtype, step)
-    world = comm.world_size
-
-    def host(f):
-        vals = f.value().tolist()  # one host read per step, after the collective finished
-        if vals[-1] != world:
-            raise RuntimeError(f"{where} returned a rank count of {vals[-1]:g} instead of {world}: "
-                               "a peer died or disconnected; this step's results are discarded")
-        return vals
-
-    try:
-        ffut = _guarded(comm.all_reduce(flags), where).then(host)
-    except Exception as exc:  # noqa: BLE001
-        ffut = torch.futures.Future()
-        ffut.set_exception(RuntimeError(f"{where} failed: {exc}"))
-    for i, p in enumerate(pending):
-        # not collect_all: it completes at the first error, before the other future is done
-        p.fut.add_done_callback(
-            lambda _f, p=p, i=i: ffut.add_done_callback(lambda _g: _settle(state, p, i, ffut)))
-
-
-def _when_all(futs, value) -> torch.futures.Future:
-    """A future of ``value`` once every one of ``futs`` is done (the first error wins)."""
-    out = torch.futures.Future()
-    left = [len(futs)]
-
-    def one(_f):
-        left[0] -= 1
-        if left[0] == 0:
-            try:
-                for f in futs:
-                    f.value()
-                out.set_result(value)
-            except BaseException as exc:  # noqa: BLE001 - forwarded to DDP
-                out.set_exception(exc)
-
-    for f in futs:
-        f.add_done_callback(one)
-    return out
-
-
-def _drop_stale(state: CompressionState, step: int) -> None:
-    # a step that raised half-way never flushed; do not let its buckets wait forever
-    stale = [p for p in state._pending if p.step != step]
-    if stale:
-        state._pending = [p for p in state._pending if p.step == step]
-        for p in stale:
-            p.result.set_exception(RuntimeError(f"commpress: step {p.step} was abandoned"))
+    return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter)
 
 
 def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):
-    """``[(sub_index, segments)]``: how to compress this bucket given the known layouts.
-
-    ``segments`` is ``None`` for the whole bucket, else the ``(offset, numel)`` slices of
-    ``buf`` that form saved bucket ``sub_index``: in the first step after
-    ``load_state_dict`` DDP has not rebuilt its buckets yet, and compressing the saved
-    buckets exactly as they were keeps a resumed run bitwise equal to an uninterrupted one.
-    Otherwise a changed layout (DDP rebuilt its buckets) takes over its parameters'
-    residuals, moved to their new positions; the algorithm store starts afresh.
-    """
     params = bucket.parameters()
-    keys = tuple(state.param_key(p) for p in params)
-    if state.layouts.get(index) == keys:
-        return [(index, None)]
-    numels = [p.numel() for p in params]
-    kset = set(keys)
-    if state._restored:
-        covered = sorted(j for j, lay in state.layouts.items() if lay and set(lay) <= kset)
-        if covered and set().union(*(state.layouts[j] for j in covered)) == kset \
-                and sum(numels) == buf.numel():
-            offsets, off = {}, 0
-            for k, n in zip(keys, numels):
-                offsets[k] = (off, n)
-                off += n
-            logger.info("bucket %d holds saved buckets %s: compressing them as saved", index, covered)
-            return [(j, [offsets[k] for k in state.layouts[j]]) for j in covered]
-    # a new layout: cut the residuals of the layouts it overlaps into per-parameter pieces
-    # (later buckets of this step may claim the rest), then assemble this bucket's residual
-    sizes = state._param_numels
-    sizes.update(zip(keys, numels))
-    for j, lay in list(state.layouts.items()):
-        if j == index or kset & set(lay):
-            r = state.memory.residuals.get(j)
-            if r is not None and all(k in sizes for k in lay) and sum(sizes[k] for k in lay) == r.numel():
-                off = 0
-                for k in lay:
-                    state._loose[k] = r[off: off + sizes[k]]
-                    off += sizes[k]
-            del state.layouts[j]
-            state.reset_bucket(j)
-    state.reset_bucket(index)
-    state.layouts[index] = keys
-    if state.error_feedback and any(k in state._loose for k in keys) and sum(numels) == buf.numel():
-        r = torch.zeros_like(buf)
-        off = 0
-        for k, n in zip(keys, numels):
-            piece = state._loose.pop(k, None)
-            if piece is not None and piece.numel() == n and piece.dtype == buf.dtype:
-                r[off: off + n].copy_(piece)
-            off += n
-        state.memory.residuals[index] = r
-    return [(index, None)]
+    return state.layout_tracker.plan(index, [state.param_key(p) for p in params],
+                                     [p.numel() for p in params], buf, state.memory.residuals,
+                                     state.reset_bucket, state.error_feedback)
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -384,12 +174,14 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if comm.world_size == 1 or buf.numel() == 0:
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:
-        _drop_stale(state, step)
-        _check_config(state, index, buf, step)
+        state.flags.drop_stale(step)
+        state.config_check.check(comm, index, buf, step,
+                                 lambda: state.config_hash(index, buf.numel(), buf.dtype, step),
+                                 lambda: state.config_values(index, buf.numel(), buf.dtype, step))
         if step < state.start_iter or buf.numel() < state.min_compress_numel:
             state.dense_calls += 1
-            where = _where(state, "dense allreduce", index, buf.numel(), buf.dtype, step)
-            fut = _enqueue(state, index, step, None, buf, _guarded(dense_allreduce(state, buf), where))
+            what = where(comm, "dense allreduce", index, buf.numel(), buf.dtype, step)
+            fut = state.flags.enqueue(index, step, None, buf, guarded(dense_allreduce(state, buf), what))
         else:
             plan = _layout_plan(state, bucket, buf, index)
             params = bucket.parameters()
@@ -417,9 +209,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
                     shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
                         else tuple(s[1] for s in segs_shapes)
                     subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes))
-                fut = _when_all(subs, buf)
+                fut = when_all(subs, buf)
     if last:
-        _flush_pending(state, step)
-        state._restored = False
-        state._loose.clear()
+        state.flags.flush(comm, step, _on_nonfinite(state))
+        state.layout_tracker.end_step()
     return fut

@@ -41,16 +41,16 @@ import torch
 
 from compressors import Compressor
 
+from .algorithms import ALGORITHMS, DENSE, get_algorithm
 from .autotune import MODEL, Autotuner
-from .communicator import Communicator, TorchCommunicator
-from .cost_model import PROBE_SIZES, CostModel, _allreduce_max
-from .topology import Topology
+from .communicator import Communicator, allreduce_max
+from .cost_model import CostModel
+from .probe import PROBE_SIZES
+from .topology import Topology, tiered_communicator
 
 __all__ = ["Planner", "Plan", "PlanRow", "DENSE", "MODEL"]
 
 logger = logging.getLogger(__name__)
-
-DENSE = "dense"
 
 
 @dataclass
@@ -161,8 +161,6 @@ class Planner:
         self.model = cost_model
         self.allowed = None if algorithms is None else list(algorithms)
         if self.allowed is not None:
-            from .algorithms import get_algorithm
-
             for a in self.allowed:
                 if a != DENSE:
                     get_algorithm(a)  # ValueError naming an unknown one, before any communication
@@ -189,21 +187,9 @@ class Planner:
         topology is hierarchical). Idempotent."""
         if self.ready:
             return self.comm
-        from .algorithms import ALGORITHMS
-        from .algorithms.hierarchical import register_missing
-
-        register_missing(ALGORITHMS)
         self.comm = comm
-        if comm.world_size > 1 and self.use_hierarchy and getattr(comm, "intra", None) is None:
-            if self.topology is None and isinstance(comm, TorchCommunicator):
-                group = comm.group if process_group is None else process_group
-                self.topology = Topology.discover(group, self.node, build_groups=False)
-                if self.topology.hierarchical:
-                    self.topology.build_groups(group)
-            if self.topology is not None and self.topology.hierarchical:
-                if self.topology.intra is None:
-                    raise ValueError("Planner(topology=...) needs Topology.build_groups() first")
-                self.comm = self.topology.communicator(comm)
+        if self.use_hierarchy:
+            self.comm, self.topology = tiered_communicator(comm, process_group, self.node, self.topology)
         if self.model is None and self.probe and comm.world_size > 1:
             self.model = CostModel.probe(self.comm, [self.compressor], sizes=self.probe_sizes,
                                          reps=self.probe_reps)
@@ -241,7 +227,7 @@ class Planner:
             self._logged = False  # log the plan again under the locked rule
 
     def _agree(self, values: list[float]) -> list[float]:
-        return _allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64)).tolist()
+        return allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64)).tolist()
 
     def _propose(self, keys) -> list[str]:
         """Compressed rules, best predicted first, distinct on the given buckets."""
@@ -283,16 +269,14 @@ class Planner:
 
     # -- choosing ---------------------------------------------------------------------------
     def candidate_names(self) -> list[str]:
-        from .algorithms import ALGORITHMS
-
         hier_ok = self.use_hierarchy and self.model is not None and "inter" in self.model.tiers
         names = []
         for name, alg in ALGORITHMS.items():
             if self.allowed is not None and name not in self.allowed:
                 continue
-            if not self.compressor.supports(alg.family):
+            if not alg.supports(self.compressor):
                 continue
-            if getattr(alg, "hierarchical", False) and not hier_ok:
+            if alg.hierarchical and not hier_ok:
                 continue
             names.append(name)
         return names
@@ -391,14 +375,12 @@ class Planner:
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore a locked plan (a resumed run does not re-tune; :meth:`retune` does)."""
-        from .algorithms import ALGORITHMS
-
         if not isinstance(sd, dict):
             raise TypeError(f"planner state must be a dict from Planner.state_dict(), got {sd!r}")
         saved = {}
         for row in sd.get("decisions", []):
             b, n, dt, a = row
-            if a != DENSE and a not in ALGORITHMS and not a.startswith("hier_"):
+            if a != DENSE and a not in ALGORITHMS:
                 raise ValueError(f"saved plan names unknown algorithm {a!r}")
             saved[(int(b), int(n), getattr(torch, str(dt).replace("torch.", "")))] = str(a)
         tuned = sd.get("autotune")

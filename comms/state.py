@@ -24,6 +24,10 @@ from compressors import Compressor, ErrorFeedback, from_spec
 
 from .algorithms import ALGORITHMS, get_algorithm
 from .communicator import Communicator, TorchCommunicator
+from .config_check import ConfigCheck
+from .layouts import LayoutTracker
+from .stats import BucketStats
+from .step_flags import StepFlags
 
 __all__ = ["CompressionState", "BucketStats", "CONFIG_FIELDS"]
 
@@ -64,24 +68,6 @@ def _to_device(value, device):
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     return value
-
-
-class BucketStats:
-    """Per-bucket accounting of the last compressed call."""
-
-    __slots__ = ("bucket", "numel", "dtype", "algorithm", "dense_bytes", "wire_bytes", "calls")
-
-    def __init__(self, bucket, numel, dtype, algorithm, dense_bytes, wire_bytes):
-        self.bucket, self.numel, self.dtype = bucket, numel, dtype
-        self.algorithm, self.dense_bytes, self.wire_bytes = algorithm, dense_bytes, wire_bytes
-        self.calls = 0
-
-    @property
-    def ratio(self) -> float:
-        return self.dense_bytes / self.wire_bytes if self.wire_bytes else float("inf")
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__} | {"ratio": self.ratio}
 
 
 class CompressionState:
@@ -126,12 +112,12 @@ class CompressionState:
     __slots__ = (
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
         "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
-        "dense_calls", "layouts", "param_names", "nonfinite_buckets", "_checked", "_pending",
-        "_warned_nonfinite", "_restored", "_loose", "_param_numels", "replica_guard", "__weakref__",
+        "dense_calls", "layout_tracker", "param_names", "nonfinite_buckets", "config_check",
+        "flags", "_warned_nonfinite", "replica_guard", "__weakref__",
     )
 
-    _TRANSIENT = ("process_group", "communicator", "_checked", "_pending", "_restored", "_loose",
-                  "_param_numels", "replica_guard", "__weakref__")
+    _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
+                  "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
@@ -170,7 +156,8 @@ class CompressionState:
                 raise ValueError(f"compressor {self.compressor.spec()!r} supports none of the "
                                  f"available algorithms {sorted(ALGORITHMS)}")
         self.planner = None
-        if algorithm == "auto" or algorithm.startswith("hier_"):
+        alg = None if algorithm == "auto" else get_algorithm(algorithm)  # ValueError if unknown
+        if alg is None or alg.hierarchical:
             # auto: the cost-model planner picks per bucket; hier_*: it supplies the topology
             from .planner import Planner
 
@@ -178,8 +165,7 @@ class CompressionState:
                                    autotune_steps=autotune_steps)
         elif not isinstance(autotune, bool):
             raise TypeError(f"autotune must be True or False, got {autotune!r}")
-        alg = None if algorithm == "auto" else get_algorithm(algorithm)
-        if alg is not None and not self.compressor.supports(alg.family):
+        if alg is not None and not alg.supports(self.compressor):
             raise ValueError(f"algorithm {algorithm!r} needs the {alg.family!r} family, which "
                              f"{self.compressor.spec()!r} does not support (it supports "
                              f"{list(self.compressor.families)})")
@@ -199,23 +185,23 @@ class CompressionState:
         self.stats: dict[int, BucketStats] = {}
         self.algo_store: dict[int, dict] = {}
         self.dense_calls = 0
-        # bucket index -> tuple of parameter keys, in bucket order, of the layout its residual
-        # and store belong to (persisted: resume maps DDP's first-iteration buckets onto it)
-        self.layouts: dict[int, tuple] = {}
+        # the layout each bucket's residual and store belong to (persisted: resume maps DDP's
+        # first-iteration buckets onto it)
+        self.layout_tracker = LayoutTracker()
         self.param_names: dict[int, str] = {}  # data_ptr -> name, filled by bind()
         self.nonfinite_buckets = 0
         self._warned_nonfinite = False
-        self._checked: set = set()   # (bucket, numel, dtype) whose config passed the check
-        self._pending: list = []     # this step's compressed buckets awaiting the non-finite flag
         self.replica_guard = None    # comms.replicas.ReplicaGuard, set by register()
         self._reset_transient()
 
     def _reset_transient(self) -> None:
-        self._checked = set()
-        self._pending = []
-        self._restored = False  # True from load_state_dict to the end of the next step
-        self._loose = {}  # parameter key -> residual piece between two layouts
-        self._param_numels = {}
+        self.config_check = ConfigCheck(CONFIG_FIELDS)  # layouts whose config passed the check
+        self.flags = StepFlags()  # this step's buckets awaiting the non-finite flag allreduce
+
+    @property
+    def layouts(self) -> dict[int, tuple]:
+        """Bucket index -> parameter keys, in bucket order, of its residual's layout."""
+        return self.layout_tracker.layouts
 
     # -- the one place that chooses algorithms -----------------------------------------
     def algorithm_for(self, bucket_index: int, numel: int, dtype: torch.dtype) -> str:
@@ -342,10 +328,11 @@ class CompressionState:
         self.seed = int(sd.get("seed", self.seed))
         self.memory.load_state_dict(sd.get("memory", {}), device=device)
         self.algo_store = {int(b): _to_device(d, device) for b, d in sd.get("algo_store", {}).items()}
-        self.layouts = {int(b): tuple(lay) for b, lay in sd.get("layouts", {}).items()}
+        self.layout_tracker = LayoutTracker()
+        self.layout_tracker.layouts = {int(b): tuple(lay) for b, lay in sd.get("layouts", {}).items()}
+        self.layout_tracker.restored = True
         self.nonfinite_buckets = int(sd.get("nonfinite_buckets", 0))
         self._reset_transient()
-        self._restored = True
 
     def __getstate__(self):
         # like torch's PowerSGDState: process groups and communicators do not pickle

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .communicator import Communicator, TorchCommunicator
 
-__all__ = ["LaunchInfo", "launch_info", "mpi_launch_info", "parse_slurm_tasks_per_node",
+__all__ = ["LaunchInfo", "launch_info", "mpi_launch_info", "parse_slurm_tasks_per_node", "tiered_communicator",
            "Topology", "TieredCommunicator", "NODE_ENV", "NAME_BYTES"]
 
 logger = logging.getLogger(__name__)
@@ -359,3 +359,26 @@ class Topology:
         # process groups do not pickle
         return {k: v for k, v in self.__dict__.items() if k not in ("intra", "inter", "process_group")} | {
             "intra": None, "inter": None, "process_group": None}
+
+
+def tiered_communicator(comm: Communicator, process_group=None, node: str | None = None,
+                        topology: "Topology | None" = None) -> "tuple[Communicator, Topology | None]":
+    """The communicator the algorithms should use, and the topology behind it (collective).
+
+    With several nodes of several ranks each: discover the topology (unless given; node names
+    from ``node``, ``$COMMPRESS_NODE`` or hostnames), build its intra- and inter-node groups
+    and return a :class:`TieredCommunicator` over ``comm``; otherwise ``comm`` itself.
+    A given ``topology`` must have its groups built.
+    """
+    if comm.world_size <= 1 or getattr(comm, "intra", None) is not None:
+        return comm, topology
+    if topology is None and isinstance(comm, TorchCommunicator):
+        group = comm.group if process_group is None else process_group
+        topology = Topology.discover(group, node, build_groups=False)
+        if topology.hierarchical:
+            topology.build_groups(group)
+    if topology is not None and topology.hierarchical:
+        if topology.intra is None:
+            raise ValueError("a given topology needs Topology.build_groups() first")
+        return topology.communicator(comm), topology
+    return comm, topology

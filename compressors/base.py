@@ -272,6 +272,13 @@ class Compressor:
         lossless: decompress(compress(x)) == x exactly.
         fixed_size: payload shapes depend only on ``ctx.numel`` (no size exchange needed).
         unbiased: E[decompress(compress(x))] == x over the hash-RNG streams.
+        allreduce_rounds: 1: one payload summed by one allreduce (the linear family's
+            default); 2: the power-iteration protocol of :class:`compressors.PowerSGD`
+            (``first_round``, ``second_round``, ``decode_round``, ``keep``).
+
+    A compressor of the ``shared_scale`` family exposes ``bits``, ``chunk`` and
+    ``chunk_absmax(x)`` (per-chunk max-abs scales): what the shared-scale integer allreduce
+    (``comms.algorithms.shared_scale``) quantizes with.
     """
 
     name: ClassVar[str] = "base"
@@ -279,6 +286,7 @@ class Compressor:
     lossless: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
     unbiased: ClassVar[bool] = False
+    allreduce_rounds: ClassVar[int] = 1
 
     #: elements per block in blocked fast paths (a power of two >= 8); None: block_elems(device)
     block: int | None = None

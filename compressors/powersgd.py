@@ -14,11 +14,12 @@ with ``store["powersgd_p"]``, so both checkpoint with the hook state and a chang
 layout re-initializes them. A bucket whose factors would not be at least
 ``min_compression_rate`` times smaller than the bucket is sent dense.
 
-Both rounds are issued from the caller's thread: the ``P`` round is waited for there and
-only the ``Q`` round is asynchronous. torch's ``powerSGD_hook`` issues the second allreduce
-from a completion callback, where it races with the next bucket's first allreduce and
-mismatches collectives on gloo ("Received data size doesn't match expected size"); this
-one works with any number of buckets.
+The compressor only does the math (``first_round`` -> sum ``P`` -> ``second_round`` -> sum
+``Q`` -> ``decode_round``); ``comms.algorithms.allreduce`` runs the two allreduces, both
+issued from the caller's thread (torch's ``powerSGD_hook`` issues the second from a
+completion callback, where it races with the next bucket's first allreduce and mismatches
+collectives on gloo). What runs after a sum (Gram-Schmidt, ``P Q^T``) is rank-reproducible:
+fixed-order elementwise arithmetic from :mod:`compressors.reproducible`, never BLAS.
 
 **Per layer.** When ``ctx.shapes`` is known (the hook passes a DDP bucket's parameter
 shapes), every tensor with >= 2 dims is its own matrix (``rows = shape[0]``,
@@ -50,7 +51,8 @@ from .hashrng import SHARED, stream_key, uniform
 from .registry import register
 from .reproducible import OUTER_BLOCK_ELEMS, outer_sum_into, tree_dot, tree_norm
 
-__all__ = ["PowerSGD", "LayerPlan", "matrix_shape", "orthogonalize_", "orthogonalize_batched_"]
+__all__ = ["PowerSGD", "PowerRound", "LayerPlan", "matrix_shape", "orthogonalize_",
+           "orthogonalize_batched_"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,7 @@ def _batch(x: torch.Tensor, g: _Group) -> torch.Tensor:
 
 @register("powersgd")
 class PowerSGD(Compressor):
-    """Rank-``rank`` PowerSGD with warm start (linear family, via ``linear_aggregate``).
+    """Rank-``rank`` PowerSGD with warm start (allreduce family, two rounds).
 
     Args:
         rank: rank of the approximation (columns of ``P`` and ``Q``), >= 1.
@@ -148,6 +150,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     families = ("allreduce",)
+    allreduce_rounds = 2  # the power-iteration protocol: first_round / second_round / decode_round
 
     def __init__(self, rank: int = 1, warm_start: bool = True, min_compression_rate: float = 2.0):
         if isinstance(rank, bool) or not isinstance(rank, int):
@@ -337,60 +340,76 @@ class PowerSGD(Compressor):
             return x.new_zeros(x.shape)
         return torch.linalg.vector_norm(x.float()).expand(x.shape).to(x.dtype)
 
-    # -- the multi-round allreduce (called by the ``allreduce`` algorithm) --------------
-    def linear_aggregate(self, comm, x, ctx, store):
-        """Two allreduces (``P`` then ``Q``); returns ``Future[(sum, own)]``."""
+    # -- the two-round protocol (driven by comms.algorithms.allreduce) ----------------
+    # Pure tensor math: the caller sums ``round.p`` over ranks (in place) between
+    # ``first_round`` and ``second_round``, and the returned Q payload after it.
+    def first_round(self, x, ctx, store) -> "PowerRound | None":
+        """``P = M Q`` (``Q`` warm-started from ``store``); ``None``: the bucket goes dense."""
         check_input(x)
         shapes = ctx.known_shapes()
         if shapes:
-            return self._linear_aggregate_layers(comm, x, ctx, store, shapes)
+            plan = self.layer_plan(shapes)
+            if plan is None:
+                return None
+            xf = x.reshape(-1)
+            if xf.dtype != torch.float32:
+                xf = xf.float()
+            q = store.get("powersgd_q")
+            if (not self.warm_start or q is None or q.numel() != plan.q_numel
+                    or q.dtype != torch.float32 or q.device != x.device):
+                q = self._initial_q_layers(ctx, plan)
+            pbuf, mats = self._layer_p(xf, plan, q)
+            return PowerRound(ctx, x, pbuf, plan=plan, mats=mats, xf=xf)
         pl = self.plan(x.numel())
-        if pl is None:  # small bucket: dense; own == x, so the residual is zero
-            return comm.all_reduce(x.detach().clone()).then(lambda f: (f.value(), x))
+        if pl is None:
+            return None
         rows, cols, r = pl
         m = self._matrix(x, rows, cols)
         q = store.get("powersgd_q")
         if (not self.warm_start or q is None or tuple(q.shape) != (cols, r)
                 or q.dtype != torch.float32 or q.device != x.device):
             q = self._initial_q(ctx, cols, r)
-        p = m @ q
-        p = comm.all_reduce(p).wait()  # intermediate round: waited here (see module docstring)
-        orthogonalize_(p)
-        q_local = m.t() @ p
-        fut = comm.all_reduce(q_local.clone())
-        own = self._flat_decode(p, q_local, ctx)  # overlaps the Q round
+        return PowerRound(ctx, x, m @ q, m=m)
 
-        def done(f):
-            q_sum = f.value()
-            store["powersgd_p"] = p
-            store["powersgd_q"] = q_sum
-            return self._flat_decode(p, q_sum, ctx), own
+    def second_round(self, rnd: "PowerRound") -> torch.Tensor:
+        """After ``rnd.p`` holds the sum over ranks: orthogonalize it (rank-reproducibly) and
+        return the fresh Q payload (per layer: the Q factors followed by the uncompressed
+        elements, summed together)."""
+        if rnd.plan is not None:
+            return self._layer_q(rnd.xf, rnd.plan, rnd.mats, rnd.p)
+        orthogonalize_(rnd.p)
+        return rnd.m.t() @ rnd.p
 
-        return fut.then(done)
+    def q_factors(self, rnd: "PowerRound", q_payload: torch.Tensor) -> torch.Tensor:
+        """The Q factors of a Q payload (a view)."""
+        return q_payload[: rnd.plan.q_numel] if rnd.plan is not None else q_payload
 
-    def _linear_aggregate_layers(self, comm, x, ctx, store, shapes):
-        """Per-layer form of :meth:`linear_aggregate`: still two allreduces per bucket."""
-        plan = self.layer_plan(shapes)
-        if plan is None:  # nothing worth factorizing: dense, residual zero
-            return comm.all_reduce(x.detach().clone()).then(lambda f: (f.value(), x))
-        xf = x.reshape(-1)
-        if xf.dtype != torch.float32:
-            xf = xf.float()
-        q = store.get("powersgd_q")
-        if (not self.warm_start or q is None or q.numel() != plan.q_numel
-                or q.dtype != torch.float32 or q.device != x.device):
-            q = self._initial_q_layers(ctx, plan)
-        pbuf, mats = self._layer_p(xf, plan, q)
-        comm.all_reduce(pbuf).wait()  # intermediate round: waited here (see module docstring)
-        qbuf = self._layer_q(xf, plan, mats, pbuf)
-        q_local = qbuf[: plan.q_numel].clone()  # the allreduce sums qbuf in place
-        fut = comm.all_reduce(qbuf)
-        own = self._layer_decode(plan, pbuf, q_local, ctx, dense_src=x.reshape(-1))  # overlaps
+    def decode_round(self, rnd: "PowerRound", q_payload: torch.Tensor, own: bool = False) -> torch.Tensor:
+        """``P Q^T`` (+ the uncompressed elements) as a fresh flat tensor of the bucket dtype;
+        ``own``: ``q_payload`` holds this rank's factors only and the uncompressed elements
+        come from its own bucket. Rank-reproducible (fixed summation order)."""
+        if rnd.plan is not None:
+            return self._layer_decode(rnd.plan, rnd.p, q_payload, rnd.ctx,
+                                      dense_src=rnd.x.reshape(-1) if own else None)
+        return self._flat_decode(rnd.p, q_payload, rnd.ctx)
 
-        def done(f):
-            summed = f.value()
-            store["powersgd_p"] = pbuf
-            store["powersgd_q"] = summed[: plan.q_numel].clone()  # warm start for next step
-            return self._layer_decode(plan, pbuf, summed, ctx), own
+    def keep(self, rnd: "PowerRound", q_payload: torch.Tensor, store: dict) -> None:
+        """Remember the summed factors in ``store`` (warm start next step, checkpointed)."""
+        store["powersgd_p"] = rnd.p
+        store["powersgd_q"] = self.q_factors(rnd, q_payload).clone()
 
-        return fut.then(done)
+
+class PowerRound:
+    """One bucket's power iteration between the two allreduces (see :meth:`PowerSGD.first_round`).
+
+    Attributes:
+        ctx, x: the bucket's context and flat input.
+        p: the ``P`` payload (fp32; the caller sums it in place).
+        plan, mats, xf: per-layer form (``plan`` is a :class:`LayerPlan`), else ``None``.
+        m: flat form: the zero-padded ``rows x cols`` fp32 matrix, else ``None``.
+    """
+
+    __slots__ = ("ctx", "x", "p", "plan", "mats", "xf", "m")
+
+    def __init__(self, ctx, x, p, *, plan=None, mats=None, xf=None, m=None):
+        self.ctx, self.x, self.p, self.plan, self.mats, self.xf, self.m = ctx, x, p, plan, mats, xf, m

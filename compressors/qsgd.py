@@ -263,10 +263,14 @@ class QSGD(ScaledCodesDecoder):
             ctx, out, accumulate, packed.device,
             lambda b0, b1, f: self._decode_block(s, w, packed, b0, b1, f, ws))
 
+    def chunk_absmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-chunk max-abs of flat ``x`` (fp32 bits): the scales (shared_scale family contract)."""
+        return chunk_absmax(x, self.chunk)
+
     def error_bound(self, x):
         """``w = 2s/M`` per element, plus fp32 rounding slack (``s * 2**-19``) and, for
         fp16/bf16 inputs, the rounding of the decoded value to that dtype."""
-        s = chunk_absmax(x, self.chunk)
+        s = self.chunk_absmax(x)
         s_el = self._per_element(s, x.numel())
         bound = self._per_element(self._steps(s), x.numel()) + s_el * 2.0 ** -19
         if x.dtype != torch.float32:

@@ -1,46 +1,52 @@
-"""Aggregation algorithms: one file each, registered by name in ``ALGORITHMS``.
+"""Aggregation algorithms: one file each, one :class:`~comms.algorithms.base.Algorithm`
+instance each, registered by name in ``ALGORITHMS``.
 
-An algorithm is a callable ``alg(comm, compressor, x, ctx, store) -> Future[(sum, own)]``:
-``x`` is this rank's (already averaged-by-world, error-fed) flat bucket, ``sum`` the
-aggregate every rank receives bit-identically, ``own`` this rank's decoded contribution for
-error feedback, ``store`` a per-bucket dict the algorithm may keep tensors in (persisted
-with the hook state). Each carries ``.family`` (the compressor family it needs) and
-``.wire_bytes(compressor, numel, dtype, world)`` (bytes sent per rank).
+Adding an algorithm: write ``comms/algorithms/<name>.py`` with an ``Algorithm`` subclass
+(collective, ``wire_bytes``, ``wire_ops``, ``cost``, ``flush_residual_``) and register its
+instance with :func:`register_algorithm` (here, or from your own code before training);
+its hierarchical form ``hier_<name>`` is derived by composition. The cost model, planner,
+autotuner and hook loop over this registry and never name an algorithm.
 """
 
 import logging
 
+from .base import DENSE, Algorithm
 from .allreduce import allreduce
 from .allgather import allgather
 from .two_phase import two_phase
 from .shared_scale import shared_scale
+from .hierarchical import Hierarchical
 
-__all__ = ["ALGORITHMS", "register_algorithm", "get_algorithm", "allreduce", "allgather", "two_phase",
-           "shared_scale"]
+__all__ = ["ALGORITHMS", "Algorithm", "DENSE", "register_algorithm", "get_algorithm", "allreduce",
+           "allgather", "two_phase", "shared_scale", "Hierarchical"]
 
 logger = logging.getLogger(__name__)
 
-ALGORITHMS = {}
+ALGORITHMS: dict[str, Algorithm] = {}
 
 
-def register_algorithm(fn):
-    ALGORITHMS[fn.name] = fn
-    return fn
+def register_algorithm(alg: Algorithm) -> Algorithm:
+    """Register ``alg`` and, when it is flat, its hierarchical form ``hier_<name>``."""
+    if not isinstance(alg, Algorithm):
+        raise TypeError(f"register_algorithm needs an Algorithm instance, got {type(alg).__name__}")
+    if not alg.name or alg.name == DENSE:
+        raise ValueError(f"an algorithm needs a name other than {DENSE!r}, got {alg.name!r}")
+    ALGORITHMS[alg.name] = alg
+    if not alg.hierarchical:
+        h = Hierarchical(alg)
+        ALGORITHMS[h.name] = h
+    return alg
 
 
-def get_algorithm(name: str):
+def get_algorithm(name: str) -> Algorithm:
     try:
         return ALGORITHMS[name]
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}") from None
 
 
-for _fn in (allreduce, allgather, two_phase, shared_scale):
-    register_algorithm(_fn)
-
-# hierarchical forms (hier_allreduce, ...) of the flat algorithms registered above; the auto
-# planner also registers any added later (comms.algorithms.hierarchical.register_missing)
-from .hierarchical import hierarchical_variants  # noqa: E402
-
-for _h in hierarchical_variants(ALGORITHMS):
-    register_algorithm(_h)
+# the built-ins: flat forms first, then their hierarchical forms (the planner's candidate order)
+for _alg in (allreduce, allgather, two_phase, shared_scale):
+    ALGORITHMS[_alg.name] = _alg
+for _alg in (allreduce, allgather, two_phase, shared_scale):
+    register_algorithm(_alg)

@@ -11,9 +11,10 @@ import logging
 
 import torch
 
+from .base import Algorithm
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
-__all__ = ["allgather"]
+__all__ = ["Allgather", "allgather"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def _sum_in_rank_order(compressor, ctx, payloads):
     return acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
 
 
-def allgather(comm, compressor, x, ctx, store):
+def _allgather(comm, compressor, x, ctx, store):
     """Allgather the compressed payloads, decode each, sum in rank order."""
     payload = compressor.compress(x, ctx)
     own = compressor.decompress(payload, ctx)
@@ -72,6 +73,26 @@ def allgather(comm, compressor, x, ctx, store):
     return after_sizes(comm.all_gather(sizes).wait())
 
 
-allgather.name = "allgather"
-allgather.family = "allgather"
-allgather.wire_bytes = lambda compressor, numel, dtype, world: (world - 1) * compressor.wire_bytes(numel, dtype)
+class Allgather(Algorithm):
+    """Every rank's payload to every rank; decode each and sum in rank order."""
+
+    name = "allgather"
+    family = "allgather"
+
+    def __call__(self, comm, compressor, x, ctx, store):
+        return _allgather(comm, compressor, x, ctx, store)
+
+    def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
+        return (world - 1) * compressor.wire_bytes(numel, dtype)
+
+    def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
+        return [(tier, "allgather", str(torch.uint8), compressor.wire_bytes(numel, dtype))]
+
+    def cost(self, model, compressor, numel, dtype, tier="flat"):
+        cc, t = model.compute_for(compressor), model.tiers[tier]
+        # every rank decodes every payload
+        return (cc.compress(numel) + t.allgather(compressor.wire_bytes(numel, dtype), torch.uint8)
+                + t.world * cc.decompress(numel))
+
+
+allgather = Allgather()

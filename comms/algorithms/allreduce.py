@@ -1,7 +1,16 @@
-"""``allreduce``: the linear family — payloads are summed elementwise by one allreduce.
+"""``allreduce``: the linear family — payloads are summed elementwise by allreduce.
 
 Cost does not grow with world size. Used by FP16/BF16 casts, RandomK (shared indices),
-Identity, and PowerSGD-style compressors whose factors are summed.
+Identity (one allreduce of the payload, decoded once), and by compressors with
+``allreduce_rounds == 2`` (PowerSGD): ``P`` summed and waited for in the caller's thread,
+then ``Q`` asynchronously — both issued in program order (ARCHITECTURE.md §2).
+
+Bytes per rank: the ring allreduce's ``2 (W-1)/W`` of the payload (per layer for PowerSGD
+when the bucket's shapes are known).
+
+Example::
+
+    >>> state = comms.register(ddp_model, "fp16", algorithm="allreduce")
 """
 
 from __future__ import annotations
@@ -10,47 +19,109 @@ import logging
 
 import torch
 
+from compressors import Context
+
+from .base import Algorithm
 from .wire import layout_of
 
-__all__ = ["allreduce"]
+__all__ = ["Allreduce", "allreduce", "payload_dtype"]
 
 logger = logging.getLogger(__name__)
+
+_PAYLOAD_DTYPES: dict[tuple, torch.dtype] = {}
+
+
+def payload_dtype(comp, dtype=torch.float32) -> torch.dtype:
+    """The dtype the allreduce sums for ``comp`` (one compress of a small sample; memoised).
+    Multi-round compressors (PowerSGD) sum factors of the bucket dtype."""
+    key = (comp.spec(), str(dtype))
+    got = _PAYLOAD_DTYPES.get(key)
+    if got is not None:
+        return got
+    got = dtype
+    if comp.allreduce_rounds == 1 and comp.supports("allreduce"):
+        try:
+            x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(dtype)
+            kinds = {t.dtype for t in comp.compress(x, Context(numel=4096, dtype=dtype, device=x.device))}
+            if len(kinds) == 1:
+                got = kinds.pop()
+        except Exception:  # noqa: BLE001 - a compressor that cannot compress here: bucket dtype
+            logger.debug("payload dtype of %s unknown; assuming %s", comp.spec(), dtype, exc_info=True)
+    _PAYLOAD_DTYPES[key] = got
+    return got
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def allreduce(comm, compressor, x, ctx, store):
-    """Compress, sum the payload with one allreduce, decode the sum once.
+def _power_iteration(comm, compressor, x, ctx, store):
+    """Two allreduces (``P`` then ``Q``) of the power-iteration protocol; see the docstring."""
+    rnd = compressor.first_round(x, ctx, store)
+    if rnd is None:  # nothing worth factorizing: dense, own == x so the residual is zero
+        return comm.all_reduce(x.detach().clone()).then(lambda f: (f.value(), x))
+    comm.all_reduce(rnd.p).wait()  # intermediate round: waited here, in program order
+    q = compressor.second_round(rnd)
+    q_own = compressor.q_factors(rnd, q).clone()  # the allreduce sums q in place
+    fut = comm.all_reduce(q)
+    own = compressor.decode_round(rnd, q_own, own=True)  # overlaps the Q round
 
-    Every rank decodes the same summed bits, so results are replica-identical.
-    """
-    if hasattr(compressor, "linear_aggregate"):  # multi-round linear compressors (PowerSGD)
-        return compressor.linear_aggregate(comm, x, ctx, store)
-    payload = compressor.compress(x, ctx)
-    own = compressor.decompress(payload, ctx)
-    dtypes = {t.dtype for t in payload}
-    if len(dtypes) != 1:
-        raise TypeError(f"{compressor.name} payload mixes dtypes {sorted(map(str, dtypes))}; "
-                        "the allreduce family needs one summable dtype")
-    layout = layout_of(payload)
-    if len(payload) == 1 and not _shares_memory(payload[0], x) and not _shares_memory(payload[0], own):
-        wire = payload[0].reshape(-1)
-    else:  # the allreduce works in place: never sum into x or own's memory
-        wire = torch.cat([t.reshape(-1) for t in payload])
+    def done(f):
+        summed = f.value()
+        compressor.keep(rnd, summed, store)
+        return compressor.decode_round(rnd, summed), own
 
-    def done(fut):
-        summed, off = [], 0
-        for n, _ in layout:
-            summed.append(wire[off: off + n])
-            off += n
-        return compressor.decompress(summed, ctx), own
-
-    return comm.all_reduce(wire).then(done)
+    return fut.then(done)
 
 
-allreduce.name = "allreduce"
-allreduce.family = "allreduce"
-allreduce.wire_bytes = lambda compressor, numel, dtype, world: (
-    2 * (world - 1) * compressor.wire_bytes(numel, dtype) // world)
+class Allreduce(Algorithm):
+    """Compress, sum the payload with one allreduce (two for PowerSGD), decode the sum once."""
+
+    name = "allreduce"
+    family = "allreduce"
+
+    def __call__(self, comm, compressor, x, ctx, store):
+        if compressor.allreduce_rounds == 2:
+            return _power_iteration(comm, compressor, x, ctx, store)
+        payload = compressor.compress(x, ctx)
+        own = compressor.decompress(payload, ctx)
+        dtypes = {t.dtype for t in payload}
+        if len(dtypes) != 1:
+            raise TypeError(f"{compressor.name} payload mixes dtypes {sorted(map(str, dtypes))}; "
+                            "the allreduce family needs one summable dtype")
+        layout = layout_of(payload)
+        if len(payload) == 1 and not _shares_memory(payload[0], x) and not _shares_memory(payload[0], own):
+            wire = payload[0].reshape(-1)
+        else:  # the allreduce works in place: never sum into x or own's memory
+            wire = torch.cat([t.reshape(-1) for t in payload])
+
+        def done(fut):
+            summed, off = [], 0
+            for n, _ in layout:
+                summed.append(wire[off: off + n])
+                off += n
+            return compressor.decompress(summed, ctx), own
+
+        return comm.all_reduce(wire).then(done)
+
+    def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
+        return 2 * (world - 1) * compressor.wire_bytes(numel, dtype) // world
+
+    def bucket_wire_bytes(self, compressor, ctx, world):
+        shaped = getattr(compressor, "shaped_wire_bytes", None)
+        if shaped is not None and ctx.known_shapes():
+            # per-tensor payloads (PowerSGD per layer): the ring allreduce of their bytes
+            return 2 * (world - 1) * shaped(ctx.known_shapes(), ctx.dtype) // world
+        return self.wire_bytes(compressor, ctx.numel, ctx.dtype, world)
+
+    def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
+        return [(tier, "allreduce", str(payload_dtype(compressor, dtype)), compressor.wire_bytes(numel, dtype))]
+
+    def cost(self, model, compressor, numel, dtype, tier="flat"):
+        cc = model.compute_for(compressor)
+        t = model.tiers[tier]
+        return (cc.compress(numel) + t.allreduce(compressor.wire_bytes(numel, dtype), payload_dtype(compressor, dtype))
+                + cc.decompress(numel))
+
+
+allreduce = Allreduce()

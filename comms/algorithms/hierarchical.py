@@ -1,4 +1,4 @@
-"""``hier_<family>``: two-tier aggregation — compression only on the slow, inter-node links.
+"""``hier_<name>``: two-tier aggregation — compression only on the slow, inter-node links.
 
 1. intra-node reduce-scatter in full precision (all-to-all + local sum): local rank ``i`` of each node holds shard
    ``i`` of its node's sum ``S_node`` (fast links, no compression error);
@@ -30,44 +30,88 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
+from .base import Algorithm
 
-__all__ = ["Hierarchical", "hierarchical_variants", "register_missing"]
+__all__ = ["Hierarchical", "HIER_PASSES"]
 
 logger = logging.getLogger(__name__)
 
 
-class Hierarchical:
-    """The hierarchical form of the registered algorithm ``inner`` (looked up at call time).
+# local passes over the bucket the hierarchy adds (the node-local sum of the chunks, the
+# copy for ``own``), charged at the cost model's measured per-element pass time
+HIER_PASSES = 2
+
+
+class Hierarchical(Algorithm):
+    """The hierarchical form of the flat algorithm ``inner`` (composition, not a name prefix).
 
     Args:
-        inner: name of the flat algorithm used across nodes.
-        family: the compressor family it needs (the inner algorithm's).
-        wire_bytes_inner: the inner algorithm's ``wire_bytes``.
+        inner: the flat :class:`~comms.algorithms.base.Algorithm` used across nodes.
     """
 
-    def __init__(self, inner: str, family: str, wire_bytes_inner):
-        self.inner = inner
-        self.name = f"hier_{inner}"
-        self.family = family
-        self.hierarchical = True
-        self._wire_inner = wire_bytes_inner
+    hierarchical = True
 
-    def wire_bytes(self, compressor, numel, dtype, world, local_size: int = 1) -> int:
+    def __init__(self, inner: Algorithm):
+        if inner.hierarchical:
+            raise ValueError(f"cannot nest hierarchies: {inner.name!r} is already hierarchical")
+        self.inner = inner
+        self.name = f"hier_{inner.name}"
+        self.family = inner.family
+
+    def supports(self, compressor) -> bool:
+        return self.inner.supports(compressor)
+
+    @staticmethod
+    def _tiers(comm):
+        intra, inter = getattr(comm, "intra", None), getattr(comm, "inter", None)
+        return intra, inter
+
+    def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2, local_size: int = 1) -> int:
         """Bytes each rank sends on the slow (inter-node) tier; ``local_size=1`` means flat."""
         nodes = max(1, world // max(1, local_size))
-        return self._wire_inner(compressor, -(-numel // local_size), dtype, nodes)
+        return self.inner.wire_bytes(compressor, -(-numel // local_size), dtype, nodes)
+
+    def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
+        if "inter" not in model.tiers:
+            return []
+        L = model.local_size
+        shard = -(-numel // L)
+        es = torch.empty(0, dtype=dtype).element_size()
+        inner = self.inner.wire_ops(model, compressor, shard, dtype, "inter") \
+            if model.tiers["inter"].world > 1 else []
+        return ([("intra", "all_to_all", str(dtype), L * shard * es)] + inner
+                + [("intra", "allgather", str(dtype), shard * es)])
+
+    def cost(self, model, compressor, numel, dtype, tier="flat"):
+        if "inter" not in model.tiers:
+            return math.inf
+        L = model.local_size
+        shard = -(-numel // L)
+        es = torch.empty(0, dtype=dtype).element_size()
+        intra = model.tiers["intra"]
+        return (intra.all_to_all(L * shard * es, dtype) + self.inner.cost(model, compressor, shard, dtype, "inter")
+                + intra.allgather(shard * es, dtype) + HIER_PASSES * model.mem_per_element * numel)
+
+    def flush_residual_(self, x, store, comm, numel=None):
+        """The inner algorithm's residual, on this rank's shard of ``x``."""
+        intra, inter = self._tiers(comm)
+        if intra is None or inter is None:
+            return False
+        n = x.numel()
+        shard = -(-n // intra.world_size)
+        lo = intra.rank * shard
+        return self.inner.flush_residual_(x[lo: min(n, lo + shard)], store, inter, numel=shard)
 
     def __call__(self, comm, compressor, x, ctx, store):
-        intra, inter = getattr(comm, "intra", None), getattr(comm, "inter", None)
+        intra, inter = self._tiers(comm)
         if intra is None or inter is None:
             raise ValueError(f"algorithm {self.name!r} needs a TieredCommunicator (with .intra and "
                              f".inter), got {comm!r}; use algorithm='auto' or Topology.communicator()")
-        from . import get_algorithm  # the registry imports this module
-
-        inner = get_algorithm(self.inner)
+        inner = self.inner
         n, local, local_size = x.numel(), intra.rank, intra.world_size
         shard = -(-n // local_size)
         if shard * local_size == n:
@@ -98,16 +142,4 @@ class Hierarchical:
         return intra.all_gather(shard_sum.contiguous()).then(done)
 
     def __repr__(self) -> str:
-        return f"Hierarchical({self.inner!r})"
-
-
-def hierarchical_variants(algorithms: dict) -> list[Hierarchical]:
-    """One :class:`Hierarchical` per flat algorithm in ``algorithms`` (not already hierarchical)."""
-    return [Hierarchical(name, alg.family, alg.wire_bytes) for name, alg in list(algorithms.items())
-            if not getattr(alg, "hierarchical", False)]
-
-
-def register_missing(algorithms: dict) -> None:
-    """Add ``hier_<name>`` for every flat algorithm registered after import time."""
-    for h in hierarchical_variants(algorithms):
-        algorithms.setdefault(h.name, h)
+        return f"Hierarchical({self.inner.name!r})"

@@ -37,11 +37,12 @@ import torch
 
 from compressors.hashrng import stream_key, uniform_into
 from compressors.cuda import dispatch as cuda_dispatch
-from compressors.qsgd import chunk_absmax
 
+from .base import Algorithm
 from .layout_check import HEADER_BYTES, check_same_layout
 
-__all__ = ["shared_scale", "shared_scale_levels", "shared_scale_error_bound", "MIN_INT8_LEVELS"]
+__all__ = ["SharedScale", "shared_scale", "shared_scale_levels", "shared_scale_error_bound",
+           "MIN_INT8_LEVELS"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,18 +78,18 @@ def _per_chunk_(t: torch.Tensor, per_chunk: torch.Tensor, chunk: int, op: str) -
     return t
 
 
-def shared_scale(comm, compressor, x, ctx, store):
+def _shared_scale(comm, compressor, x, ctx, store):
     """Shared-scale integer allreduce of flat ``x``; see the module docstring."""
-    if not compressor.supports("shared_scale") or not hasattr(compressor, "bits"):
-        raise TypeError(f"shared_scale needs a compressor of the 'shared_scale' family with "
-                        f"bits and chunk (QSGD); got {compressor.spec()!r}")
+    if not compressor.supports("shared_scale"):
+        raise TypeError(f"shared_scale needs a compressor of the 'shared_scale' family (bits, "
+                        f"chunk, chunk_absmax: QSGD); got {compressor.spec()!r}")
     world, n, chunk = comm.world_size, x.numel(), compressor.chunk
     check_same_layout(comm, "shared_scale", ctx)
     levels, wire_dtype = shared_scale_levels(compressor.bits, world)
     store["shared_scale_levels"] = torch.tensor([levels, wire_dtype.itemsize * 8], dtype=torch.int64)
 
     xf = x if x.dtype == torch.float32 else x.float()
-    local = chunk_absmax(xf, chunk)
+    local = compressor.chunk_absmax(xf)
     nch = local.numel()
     scales = comm.all_gather(local).wait().view(world, nch).amax(0)  # intermediate round
 
@@ -125,24 +126,47 @@ def shared_scale(comm, compressor, x, ctx, store):
     return fut.then(done)
 
 
-def _wire_bytes(compressor, numel, dtype, world):
-    _, wire_dtype = shared_scale_levels(compressor.bits, world)
-    nch = -(-numel // compressor.chunk)
-    return (world - 1) * (HEADER_BYTES + 4 * nch) + 2 * (world - 1) * numel * wire_dtype.itemsize // world
-
-
 def shared_scale_error_bound(compressor, xs, dtype=None) -> torch.Tensor:
     """Per-element bound on ``|shared_scale sum - sum(xs)|`` (fp64): each rank errs by less
     than one step ``s / L`` of the shared scale, plus fp slack for the decode."""
     world, n = len(xs), xs[0].numel()
     levels, _ = shared_scale_levels(compressor.bits, world)
-    s = torch.stack([chunk_absmax(x.float(), compressor.chunk) for x in xs]).amax(0).double()
+    s = torch.stack([compressor.chunk_absmax(x.float()) for x in xs]).amax(0).double()
     per = s.repeat_interleave(compressor.chunk)[:n] / levels
     eps = torch.finfo(dtype or xs[0].dtype).eps
     return world * per * (1 + 4 * levels * 2.0 ** -23) + 4 * eps * sum(x.double().abs() for x in xs)
 
 
-shared_scale.name = "shared_scale"
-shared_scale.family = "shared_scale"
-shared_scale.wire_bytes = _wire_bytes
-shared_scale.error_bound = shared_scale_error_bound
+class SharedScale(Algorithm):
+    """Shared per-chunk scales, then one exact integer allreduce (see the module docstring)."""
+
+    name = "shared_scale"
+    family = "shared_scale"
+
+    def __call__(self, comm, compressor, x, ctx, store):
+        return _shared_scale(comm, compressor, x, ctx, store)
+
+    def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
+        _, wire_dtype = shared_scale_levels(compressor.bits, world)
+        nch = -(-numel // compressor.chunk)
+        return (world - 1) * (HEADER_BYTES + 4 * nch) + 2 * (world - 1) * numel * wire_dtype.itemsize // world
+
+    def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
+        _, wdt = shared_scale_levels(compressor.bits, model.tiers[tier].world)
+        return [(tier, "allreduce", str(wdt), numel * wdt.itemsize)]
+
+    def cost(self, model, compressor, numel, dtype, tier="flat"):
+        # a tiny allgather of per-chunk scales, then one integer (int8/int32) allreduce
+        cc, t = model.compute_for(compressor), model.tiers[tier]
+        n = t.world
+        if n <= 1:
+            return cc.compress(numel) + cc.decompress(numel)
+        _, wire_dtype = shared_scale_levels(compressor.bits, n)
+        nch = -(-numel // compressor.chunk)
+        return (cc.compress(numel) + t.allgather(4 * nch, torch.float32)
+                + t.allreduce(numel * wire_dtype.itemsize, wire_dtype) + cc.decompress(numel))
+
+    error_bound = staticmethod(shared_scale_error_bound)
+
+
+shared_scale = SharedScale()

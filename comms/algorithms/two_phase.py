@@ -36,10 +36,11 @@ import torch
 
 from compressors.cuda import dispatch as cuda_dispatch
 
+from .base import Algorithm
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
-__all__ = ["two_phase", "chunk_context", "two_phase_error_bound"]
+__all__ = ["TwoPhase", "two_phase", "chunk_context", "two_phase_error_bound"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def _owner_ef(compressor) -> bool:
     return not compressor.unbiased
 
 
-def two_phase(comm, compressor, x, ctx, store):
+def _two_phase(comm, compressor, x, ctx, store):
     """Two-phase compressed allreduce of flat ``x``; see the module docstring."""
     if not compressor.fixed_size:
         raise TypeError(f"two_phase needs a fixed-size compressor (equal chunk payloads); "
@@ -140,11 +141,6 @@ def two_phase(comm, compressor, x, ctx, store):
     return fut2.then(done)
 
 
-def _wire_bytes(compressor, numel, dtype, world):
-    m = -(-numel // world)
-    return (world - 1) * (2 * compressor.wire_bytes(m, dtype) + HEADER_BYTES)
-
-
 def two_phase_error_bound(compressor, xs, dtype=None) -> torch.Tensor:
     """Per-element bound on ``|two_phase sum - sum(xs)|`` for a fresh ``store`` (fp64).
 
@@ -167,7 +163,52 @@ def two_phase_error_bound(compressor, xs, dtype=None) -> torch.Tensor:
     return torch.cat(parts)[:n]
 
 
-two_phase.name = "two_phase"
-two_phase.family = "two_phase"
-two_phase.wire_bytes = _wire_bytes
-two_phase.error_bound = two_phase_error_bound
+class TwoPhase(Algorithm):
+    """Compressed scatter-reduce then compressed allgather (see the module docstring)."""
+
+    name = "two_phase"
+    family = "two_phase"
+
+    def __call__(self, comm, compressor, x, ctx, store):
+        return _two_phase(comm, compressor, x, ctx, store)
+
+    def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
+        m = -(-numel // world)
+        return (world - 1) * (2 * compressor.wire_bytes(m, dtype) + HEADER_BYTES)
+
+    def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
+        n = model.tiers[tier].world
+        w = compressor.wire_bytes(-(-numel // n), dtype)
+        u8 = str(torch.uint8)
+        return [(tier, "all_to_all", u8, n * w), (tier, "allgather", u8, w)]
+
+    def cost(self, model, compressor, numel, dtype, tier="flat"):
+        cc, t = model.compute_for(compressor), model.tiers[tier]
+        n = t.world
+        m = -(-numel // n)
+        wire = compressor.wire_bytes(m, dtype)
+        return (cc.compress(numel) + t.all_to_all(n * wire, torch.uint8) + n * cc.decompress(m)  # phase 1
+                + cc.compress(m) + t.allgather(wire, torch.uint8) + n * cc.decompress(m))  # owner + phase 2
+
+    def flush_residual_(self, x, store, comm, numel=None):
+        """Add the owner residual into ``x`` at this rank's chunk.
+
+        The owner residual of rank ``r`` is compression error of chunk ``r`` of the *sum*;
+        adding it into this rank's own ``x`` at that chunk puts it into the next sum exactly
+        once, whatever moves ``x`` next. ``numel``: the logical bucket size the chunks were
+        cut from (a hierarchical shard may be shorter at the end of the bucket).
+        """
+        res = store.get(_RESIDUAL)
+        if res is None:
+            return False
+        m = -(-(x.numel() if numel is None else numel) // comm.world_size)
+        lo = comm.rank * m
+        hi = min(x.numel(), lo + m)
+        if hi > lo and res.numel() >= hi - lo:
+            x[lo:hi].add_(res[: hi - lo].to(x.dtype))
+        return True
+
+    error_bound = staticmethod(two_phase_error_bound)
+
+
+two_phase = TwoPhase()

@@ -14,7 +14,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comms
-from comms.autotune import Autotuner, choose_rule, flush_owner_residual_
+from comms.algorithms import get_algorithm
+from comms.autotune import Autotuner, choose_rule
 from comms.launch import spawn
 from dist.ranks import batch, flat_params, make_model
 
@@ -161,15 +162,17 @@ class _FakeComm:
 def test_flush_owner_residual_offsets():
     x = torch.zeros(10)
     store = {"two_phase_residual": torch.arange(1.0, 5.0)}  # m = ceil(10 / 3) = 4
-    assert flush_owner_residual_(x, store, "two_phase", _FakeComm(2, 3))
+    assert get_algorithm("two_phase").flush_residual_(x, store, _FakeComm(2, 3))
     assert x.tolist() == [0] * 8 + [1.0, 2.0]  # rank 2 owns [8, 12): the padding is dropped
-    assert not flush_owner_residual_(x, {}, "two_phase", _FakeComm(0, 3))
+    assert not get_algorithm("two_phase").flush_residual_(x, {}, _FakeComm(0, 3))
+    for name in ("allreduce", "allgather", "shared_scale"):  # they keep no residual
+        assert not get_algorithm(name).flush_residual_(x, store, _FakeComm(0, 3))
 
     class Tiered(_FakeComm):
         intra, inter = _FakeComm(1, 2), _FakeComm(1, 2)
 
     y = torch.zeros(8)  # shard 4 per local rank, inter chunk 2: local 1, inter 1 -> [6, 8)
-    flush_owner_residual_(y, {"two_phase_residual": torch.tensor([5.0, 6.0])}, "hier_two_phase", Tiered(3, 4))
+    get_algorithm("hier_two_phase").flush_residual_(y, {"two_phase_residual": torch.tensor([5.0, 6.0])}, Tiered(3, 4))
     assert y.tolist() == [0] * 6 + [5.0, 6.0]
 
 

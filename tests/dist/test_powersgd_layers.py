@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from comms.algorithms import ALGORITHMS
 from comms.launch import spawn
 from dist.ranks import train
 
@@ -29,7 +30,7 @@ def _direct(rank, world):
         comm = CountingCommunicator(TorchCommunicator())
         ctx = Context.of(xs[rank], shapes=SHAPES, rank=rank, seed=3, bucket=1)
         store = {}
-        total, own = c.linear_aggregate(comm, xs[rank], ctx, store).wait()
+        total, own = ALGORITHMS["allreduce"](comm, c, xs[rank], ctx, store).wait()
         out.append({"total": total, "own": own, "ops": comm.ops, "sent": comm.sent,
                     "claimed": 2 * (world - 1) * c.shaped_wire_bytes(SHAPES) / world,
                     "xsum": sum(xs), "q": store["powersgd_q"]})
@@ -67,7 +68,7 @@ def _exact_sum(rank, world):
                              torch.randn(30, generator=gr),
                              (left[1] @ torch.randn(2, 30, generator=gr)).reshape(-1)]))
     c = PowerSGD(rank=2)
-    total, own = c.linear_aggregate(TorchCommunicator(), xs[rank],
+    total, own = ALGORITHMS["allreduce"](TorchCommunicator(), c, xs[rank],
                                     Context.of(xs[rank], shapes=shapes, rank=rank), {}).wait()
     return total, sum(xs), xs[rank], own
 

@@ -8,8 +8,9 @@ import torch
 
 import compressors
 from comms.autotune import MODEL
-from comms.cost_model import (HOOK_PASSES, ComputeCost, CostModel, LocalCommunicator, TierCost,
-                              payload_dtype, wire_ops)
+from comms.algorithms.allreduce import payload_dtype
+from comms.communicator import LocalCommunicator
+from comms.cost_model import HOOK_PASSES, ComputeCost, CostModel, TierCost
 from comms.planner import Planner
 
 
@@ -27,13 +28,13 @@ def test_wire_dtype_bandwidth_is_charged():
     assert m.predict("allreduce", fp16, n) > m.predict("dense", fp16, n)
     assert CostModel({"flat": base}, {fp16.spec(): ComputeCost()}).predict("allreduce", fp16, n) \
         < m.predict("dense", fp16, n)
-    ops = wire_ops("allreduce", fp16, n, torch.float32, {"flat": base})
+    ops = CostModel({"flat": base}).wire_ops("allreduce", fp16, n, torch.float32)
     assert ops == [("flat", "allreduce", "torch.float16", fp16.wire_bytes(n))]
     topk = compressors.from_spec("topk:density=0.01")
-    assert [o[1:3] for o in wire_ops("two_phase", topk, n, torch.float32, {"flat": base})] == \
+    assert [o[1:3] for o in CostModel({"flat": base}).wire_ops("two_phase", topk, n, torch.float32)] == \
         [("all_to_all", "torch.uint8"), ("allgather", "torch.uint8")]
-    hier = wire_ops("hier_allreduce", fp16, n, torch.float32,
-                    {"flat": base, "intra": base, "inter": base}, local_size=2)
+    hier = CostModel({"flat": base, "intra": base, "inter": base}, local_size=2).wire_ops(
+        "hier_allreduce", fp16, n, torch.float32)
     assert [o[0] for o in hier] == ["intra", "inter", "intra"] and hier[1][2] == "torch.float16"
 
 

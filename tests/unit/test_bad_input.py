@@ -186,4 +186,4 @@ def test_state_pickles_without_its_process_group():
     state.iter = 4
     back = pickle.loads(pickle.dumps(state))
     assert back.communicator is None and back.process_group is None
-    assert back.iter == 4 and back.compressor == state.compressor and back._pending == []
+    assert back.iter == 4 and back.compressor == state.compressor and back.flags.pending == []

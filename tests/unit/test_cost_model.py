@@ -7,7 +7,8 @@ import torch
 
 import compressors
 from comms.buckets import ddp_has_bucket_cap_mb_list, suggest_bucket_cap_mb, suggest_bucket_cap_mb_list
-from comms.cost_model import ComputeCost, CostModel, LocalCommunicator, TierCost
+from comms.communicator import LocalCommunicator
+from comms.cost_model import ComputeCost, CostModel, TierCost
 from comms.planner import Planner
 from comms.topology import Topology
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import compressors
+from comms.algorithms import ALGORITHMS
 from compressors import Context
 from compressors.powersgd import PowerSGD, orthogonalize_, orthogonalize_batched_
 
@@ -119,12 +120,12 @@ def test_batched_orthogonalization_matches_single():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_linear_aggregate_two_allreduces_and_ef(dtype):
+def test_allreduce_two_rounds_and_ef(dtype):
     c = PowerSGD(rank=2)
     x = low_rank_bucket(SHAPES, 3, seed=5, dtype=dtype)  # rank 3 > 2: lossy
     ctx = Context.of(x, shapes=SHAPES, seed=7)
     comm, store = LocalComm(), {}
-    total, own = c.linear_aggregate(comm, x, ctx, store).wait()
+    total, own = ALGORITHMS["allreduce"](comm, c, x, ctx, store).wait()
     plan = c.layer_plan(SHAPES)
     # exactly two fp32 rounds: all P's, then all Q's + the uncompressed elements
     assert comm.sizes == [(plan.p_numel, torch.float32),
@@ -138,7 +139,7 @@ def test_linear_aggregate_two_allreduces_and_ef(dtype):
     # warm start: the aggregated Q is kept, with the P's, as plain tensors
     assert store["powersgd_q"].numel() == plan.q_numel and store["powersgd_p"].numel() == plan.p_numel
     # the next step starts from that Q: a second call on the same data moves closer to x
-    total2, _ = c.linear_aggregate(comm, x, ctx, store).wait()
+    total2, _ = ALGORITHMS["allreduce"](comm, c, x, ctx, store).wait()
     assert float((total2.float() - x.float()).norm()) <= float((total.float() - x.float()).norm()) * 1.001
 
 
@@ -147,7 +148,7 @@ def test_nothing_to_factorize_is_one_dense_allreduce():
     shapes = ((100,), (3, 2))
     x = torch.randn(106)
     comm = LocalComm()
-    total, own = c.linear_aggregate(comm, x, Context.of(x, shapes=shapes), {}).wait()
+    total, own = ALGORITHMS["allreduce"](comm, c, x, Context.of(x, shapes=shapes), {}).wait()
     assert comm.sizes == [(106, torch.float32)]
     assert torch.equal(total, x) and torch.equal(own, x)
 

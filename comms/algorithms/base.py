@@ -1,0 +1,78 @@
+"""``Algorithm``: everything about one way of aggregating a bucket, in one object.
+
+Like one collective of nccl-tests (its bytes, its bus factor, its check, its run): an
+algorithm file defines a subclass and one instance, and the registry, the cost model, the
+planner, the autotuner and the hook loop over instances without naming any of them.
+
+Contract of a subclass:
+
+* ``name`` (registry key), ``family`` (the compressor family it needs:
+  ``Compressor.supports(family)``);
+* ``__call__(comm, compressor, x, ctx, store) -> Future[(sum, own)]``: ``x`` is this rank's
+  flat, averaged-by-world, error-fed bucket; ``sum`` the aggregate every rank receives with
+  the same bits; ``own`` this rank's decoded contribution (the hook's residual is
+  ``x - own``); ``store`` a per-bucket dict of tensors/numbers persisted with the hook state.
+  Rounds are issued from the caller's thread in program order (ARCHITECTURE.md §2); what
+  runs after a collective obeys ARCHITECTURE.md §5;
+* ``wire_bytes(compressor, numel, dtype, world)``: bytes one rank sends for a bucket (what
+  the stats report and the tests count);
+* ``wire_ops(model, compressor, numel, dtype, tier)``: the collectives one bucket issues on
+  ``tier`` as ``[(tier, op, wire dtype name, payload bytes)]`` (what the cost model probes);
+* ``cost(model, compressor, numel, dtype, tier)``: predicted seconds on ``tier`` of a
+  :class:`comms.cost_model.CostModel` (alpha-beta per collective plus measured codec time);
+* ``flush_residual_(x, store, comm, numel=None)``: on a switch away from this algorithm, add
+  any residual it keeps in ``store`` into ``x`` where the next aggregation counts it exactly
+  once; returns whether it added one (default: keeps none);
+* optional ``error_bound(compressor, xs, dtype=None)``: per-element bound of ``|sum - sum(xs)|``.
+
+Hierarchical forms are built by composition (:class:`comms.algorithms.hierarchical.Hierarchical`
+wraps any flat instance); nothing parses names.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+__all__ = ["Algorithm", "DENSE"]
+
+logger = logging.getLogger(__name__)
+
+# the name of "no compression, DDP's plain allreduce" wherever a plan names an algorithm
+DENSE = "dense"
+
+
+class Algorithm:
+    """Base of the aggregation algorithms (see the module docstring for the contract)."""
+
+    name: str = ""
+    family: str = ""
+    hierarchical: bool = False
+
+    def __call__(self, comm, compressor, x, ctx, store):
+        raise NotImplementedError
+
+    def supports(self, compressor) -> bool:
+        """Whether ``compressor`` can travel with this algorithm."""
+        return compressor.supports(self.family)
+
+    def wire_bytes(self, compressor, numel: int, dtype=torch.float32, world: int = 2) -> int:
+        raise NotImplementedError
+
+    def bucket_wire_bytes(self, compressor, ctx, world: int) -> int:
+        """Bytes one rank sends for the bucket of ``ctx`` (its shapes may refine the count)."""
+        return self.wire_bytes(compressor, ctx.numel, ctx.dtype, world)
+
+    def wire_ops(self, model, compressor, numel: int, dtype, tier: str = "flat") -> list:
+        return []
+
+    def cost(self, model, compressor, numel: int, dtype, tier: str = "flat") -> float:
+        return math.inf  # no formula: never chosen over a predictable candidate
+
+    def flush_residual_(self, x: torch.Tensor, store: dict, comm, numel: int | None = None) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<algorithm {self.name}>"

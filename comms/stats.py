@@ -1,0 +1,36 @@
+"""Per-bucket accounting: what each bucket sent on its last call (``state.report()``)."""
+
+from __future__ import annotations
+
+__all__ = ["BucketStats", "record_call"]
+
+
+class BucketStats:
+    """Per-bucket accounting of the last call: bytes one rank sends per step, dense and on the wire."""
+
+    __slots__ = ("bucket", "numel", "dtype", "algorithm", "dense_bytes", "wire_bytes", "calls")
+
+    def __init__(self, bucket, numel, dtype, algorithm, dense_bytes, wire_bytes):
+        self.bucket, self.numel, self.dtype = bucket, numel, dtype
+        self.algorithm, self.dense_bytes, self.wire_bytes = algorithm, dense_bytes, wire_bytes
+        self.calls = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__} | {"ratio": self.ratio}
+
+
+def record_call(stats: dict, index: int, numel: int, dtype, element_size: int, world: int,
+                algorithm: str, wire_bytes) -> BucketStats:
+    """Count one call of bucket ``index``; (re)create its entry when its size or algorithm
+    changed. ``wire_bytes()`` is called only then (dense: the ring allreduce's bytes)."""
+    st = stats.get(index)
+    if st is None or st.numel != numel or st.algorithm != algorithm:
+        dense = 2 * (world - 1) * numel * element_size // world
+        st = stats[index] = BucketStats(index, numel, dtype, algorithm, dense,
+                                        dense if wire_bytes is None else wire_bytes())
+    st.calls += 1
+    return st
