@@ -220,10 +220,11 @@ def two_phase_qsgd_owner(compressor, recv, world, m, ctx2, residual_in=None, res
     seg = 4 * nch + (m * bits + 7) // 8
     if recv.dtype != torch.uint8 or recv.numel() != world * seg or (chunk * bits) % 32:
         return None
-    if kernels.two_phase_shared_mem(chunk, world) > kernels._SHARED_MEM_LIMIT:
-        return None
     extra = [t for t in (residual_in, residual_out) if t is not None]
     if any(t.dtype != torch.float32 or t.numel() != m for t in extra) or not enabled_for(recv, *extra):
+        return None
+    # static + dynamic shared memory (the static part is known once the kernel is compiled)
+    if not kernels.two_phase_fits(chunk, world, kernels._dev(recv)):
         return None
     return kernels.two_phase_qsgd_owner(recv, world, m, bits, chunk, stream_key(
         ctx2.seed, ctx2.step, ctx2.bucket, ctx2.rank), residual_in, residual_out)

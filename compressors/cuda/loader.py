@@ -36,7 +36,7 @@ import torch
 
 __all__ = [
     "NVRTC_OPTIONS", "HEADER", "BLOCK", "source_root", "kernel_files", "load_source", "available",
-    "get_kernel", "current_stream", "as_cupy", "launch", "grid_for", "reset",
+    "get_kernel", "current_stream", "as_cupy", "launch", "grid_for", "static_shared_bytes", "reset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -181,6 +181,23 @@ def grid_for(work_items: int, index: int, per_block: int = BLOCK, blocks_per_sm:
     """Blocks for a grid-stride kernel over ``work_items`` (at least 1)."""
     need = -(-max(work_items, 1) // per_block)
     return max(1, min(need, _sms(index) * blocks_per_sm))
+
+
+STATIC_SHARED_FALLBACK = 1024  # assumed static shared memory when CuPy cannot report it
+
+
+def static_shared_bytes(name: str, index: int) -> int:
+    """Static shared memory of kernel ``name`` on device ``index`` as compiled (the
+    ``shared_size_bytes`` attribute); :data:`STATIC_SHARED_FALLBACK` when it cannot be read."""
+    kern = get_kernel(name, index)
+    try:
+        with _cupy().cuda.Device(index):
+            return int(kern.shared_size_bytes)
+    except Exception:  # an older CuPy without the attribute
+        try:
+            return int(kern.attributes["shared_size_bytes"])
+        except Exception:
+            return STATIC_SHARED_FALLBACK
 
 
 def launch(name: str, index: int, grid: int, args, shared_mem: int = 0) -> None:
