@@ -68,8 +68,24 @@ struct BlockCtx {
     uint3 gdim;       // gridDim
 };
 
-extern thread_local ThreadCtx* cur_thread;   // the running fiber (set by the scheduler)
-extern thread_local BlockCtx cur_block;
+// Every fiber stack is a EMU_STACK_BYTES-aligned mapping whose first bytes hold its FiberHead:
+// the running CUDA thread is found from the stack pointer, with no thread_local access (a
+// dlopen'ed library's TLS costs a __tls_get_addr call per access).
+#if defined(__SANITIZE_ADDRESS__)
+#define EMU_STACK_BYTES (1UL << 20)
+#else
+#define EMU_STACK_BYTES (1UL << 17)
+#endif
+struct FiberHead {
+    ThreadCtx ctx;
+    const BlockCtx* block;
+    void* worker;
+    void* fiber;
+};
+__attribute__((always_inline)) inline FiberHead* self() {
+    uintptr_t sp = (uintptr_t)__builtin_frame_address(0);
+    return reinterpret_cast<FiberHead*>(sp & ~(uintptr_t)(EMU_STACK_BYTES - 1));
+}
 
 void syncthreads();
 // Barrier over the lanes of `mask` (the caller's lane must be in it); every lane publishes
@@ -106,10 +122,10 @@ inline float ftz(float v) {
 
 }  // namespace emu
 
-#define threadIdx (::emu::cur_thread->tid)
-#define blockIdx (::emu::cur_block.bid)
-#define blockDim (::emu::cur_block.bdim)
-#define gridDim (::emu::cur_block.gdim)
+#define threadIdx (::emu::self()->ctx.tid)
+#define blockIdx (::emu::self()->block->bid)
+#define blockDim (::emu::self()->block->bdim)
+#define gridDim (::emu::self()->block->gdim)
 #define warpSize 32
 
 // -- synchronisation ----------------------------------------------------------------------------
@@ -122,25 +138,25 @@ inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 template <class T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
-    unsigned lane = emu::cur_thread->lane;
+    unsigned lane = emu::self()->ctx.lane;
     unsigned base = lane & ~(unsigned)(width - 1);
     return emu::shfl_from(mask, v, base + ((unsigned)src & (unsigned)(width - 1)));
 }
 template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-    unsigned lane = emu::cur_thread->lane;
+    unsigned lane = emu::self()->ctx.lane;
     unsigned src = lane ^ (unsigned)lane_mask;
     // outside the lane's width segment: the lane keeps its own value (PTX shfl.bfly clamp)
     if ((src & ~(unsigned)(width - 1)) != (lane & ~(unsigned)(width - 1))) src = lane;
     return emu::shfl_from(mask, v, src);
 }
 template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-    unsigned lane = emu::cur_thread->lane;
+    unsigned lane = emu::self()->ctx.lane;
     unsigned seg = lane & (unsigned)(width - 1);
     unsigned src = seg + delta < (unsigned)width ? lane + delta : lane;
     return emu::shfl_from(mask, v, src);
 }
 template <class T> inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-    unsigned lane = emu::cur_thread->lane;
+    unsigned lane = emu::self()->ctx.lane;
     unsigned seg = lane & (unsigned)(width - 1);
     unsigned src = seg >= delta ? lane - delta : lane;
     return emu::shfl_from(mask, v, src);

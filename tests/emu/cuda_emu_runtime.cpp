@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <new>
 #include <numeric>
 #include <random>
 #include <string>
@@ -29,9 +30,10 @@
 #endif
 
 #if defined(__x86_64__)
-// Minimal context switch (System V x86-64): callee-saved registers, MXCSR and the x87 control
-// word on the old stack, then the stack pointer swap. ~10 ns, where glibc's swapcontext makes a
-// sigprocmask system call per switch.
+// Minimal context switch (System V x86-64): callee-saved registers on the old stack, then the
+// stack pointer swap (a few ns, where glibc's swapcontext makes a sigprocmask system call per
+// switch). MXCSR and the x87 control word are not switched: nothing here changes them, and a
+// fiber starts with the (shared) modes of its OS thread.
 extern "C" void emu_switch(void** save_sp, void* load_sp);
 extern "C" void emu_fiber_start();
 asm(R"(
@@ -47,14 +49,8 @@ emu_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $16, %rsp
-    stmxcsr 8(%rsp)
-    fnstcw (%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr 8(%rsp)
-    fldcw (%rsp)
-    addq $16, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -80,21 +76,20 @@ emu_fiber_start:
 
 namespace emu {
 
-thread_local ThreadCtx* cur_thread = nullptr;
-thread_local BlockCtx cur_block{};
-
 namespace {
 
-constexpr size_t kStack = EMU_ASAN ? (512u << 10) : (128u << 10);
+constexpr size_t kStack = EMU_STACK_BYTES;  // [FiberHead page][guard page][stack ... top]
+constexpr size_t kLow = 8192;
 
 struct Fiber {
     void* sp = nullptr;               // saved stack pointer while suspended
 #if !defined(__x86_64__)
     ucontext_t uc;
 #endif
-    char* stack = nullptr;            // mapping (lowest page is a guard page)
-    ThreadCtx ctx{};
+    char* stack = nullptr;            // kStack-aligned mapping, FiberHead at its start
+    FiberHead* head = nullptr;
     bool done = false;
+    bool blocked = false;             // waits in a barrier: not resumed until released
     const char* waiting = nullptr;    // what it waits for (deadlock report)
     int read_buf = 0;                 // slot buffer of its last warp exchange
     void* fake_stack = nullptr;       // ASan fiber bookkeeping
@@ -109,6 +104,7 @@ struct WarpState {
     uint64_t gen = 0;
     unsigned readers[2] = {0, 0};
     uint64_t slots[2][32] = {};
+    std::vector<Fiber*> waiters;
 };
 
 struct DynShared {
@@ -133,6 +129,7 @@ struct Worker {
     unsigned nthreads = 0, live = 0;
     unsigned bar_arrived = 0;
     uint64_t bar_gen = 0;
+    std::vector<Fiber*> bar_waiters;
     std::vector<WarpState> warps;
     uint64_t progress = 0;
     bool shuffle = false;
@@ -140,16 +137,20 @@ struct Worker {
     Thunk thunk = nullptr;
     void* args = nullptr;
     std::string error;
+    BlockCtx block{};
 
     ~Worker() {
         for (auto& f : fibers)
             if (f.stack) munmap(f.stack, kStack);
     }
+    Worker() = default;
+    Worker(const Worker&) = delete;
 };
 
-thread_local Worker* W = nullptr;
+inline Worker* cur_worker() { return static_cast<Worker*>(self()->worker); }
+inline Fiber* cur_fiber() { return static_cast<Fiber*>(self()->fiber); }
 
-void switch_to_scheduler(Fiber* f) {
+void switch_to_scheduler(Worker* W, Fiber* f) {
 #if EMU_ASAN
     __sanitizer_start_switch_fiber(f->done ? nullptr : &f->fake_stack, W->sched_bottom, W->sched_size);
 #endif
@@ -164,44 +165,60 @@ void switch_to_scheduler(Fiber* f) {
 }
 
 void yield(const char* why) {
-    Fiber* f = W->running;
+    Fiber* f = cur_fiber();
     f->waiting = why;
-    switch_to_scheduler(f);
+    switch_to_scheduler(cur_worker(), f);
     f->waiting = nullptr;
 }
 
-std::string where(const Fiber* f) {
+std::string where(const Worker& w, const Fiber* f) {
     char buf[160];
-    std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", cur_block.bid.x, cur_block.bid.y,
-                  cur_block.bid.z, f->ctx.tid.x, f->ctx.tid.y, f->ctx.tid.z);
+    const ThreadCtx& c = f->head->ctx;
+    std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", w.block.bid.x, w.block.bid.y,
+                  w.block.bid.z, c.tid.x, c.tid.y, c.tid.z);
     return buf;
 }
 
+void block_on(std::vector<Fiber*>& q, const char* why) {
+    Fiber* f = cur_fiber();
+    f->blocked = true;
+    q.push_back(f);
+    yield(why);
+}
+
+void release(std::vector<Fiber*>& q) {
+    for (Fiber* f : q) f->blocked = false;
+    q.clear();
+}
+
 void fiber_exit(Fiber* f) {
-    Worker& w = *W;
+    Worker& w = *cur_worker();
     f->done = true;
     w.live--;
     w.progress++;
-    WarpState& ws = w.warps[f->ctx.warp];
-    ws.live_lanes &= ~(1U << f->ctx.lane);
-    if (ws.arrived && ((ws.mask >> f->ctx.lane) & 1U) && !((ws.arrived_lanes >> f->ctx.lane) & 1U) &&
+    const ThreadCtx& c = f->head->ctx;
+    WarpState& ws = w.warps[c.warp];
+    ws.live_lanes &= ~(1U << c.lane);
+    if (ws.arrived && ((ws.mask >> c.lane) & 1U) && !((ws.arrived_lanes >> c.lane) & 1U) &&
         w.error.empty())
-        w.error = where(f) + " exited while lanes of its warp wait for it in a *_sync with mask " +
+        w.error = where(w, f) + " exited while lanes of its warp wait for it in a *_sync with mask " +
                   std::to_string(ws.mask) + " (undefined behaviour on a GPU)";
     if (w.bar_arrived && w.bar_arrived == w.live) {  // exited threads no longer hold a barrier
         w.bar_arrived = 0;
         w.bar_gen++;
+        release(w.bar_waiters);
     }
 }
 
 }  // namespace
 
 [[noreturn]] void fail(const char* what) {
-    Fiber* f = W->running;
-    if (W->error.empty()) W->error = where(f) + ": " + what;
+    Worker* W = cur_worker();
+    Fiber* f = cur_fiber();
+    if (W->error.empty()) W->error = where(*W, f) + ": " + what;
     f->done = true;  // never resumed
     W->live--;
-    switch_to_scheduler(f);
+    switch_to_scheduler(W, f);
     std::abort();
 }
 
@@ -210,12 +227,13 @@ void fiber_exit(Fiber* f) {
 extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(void* p) {
     using namespace emu;
     Fiber* f = static_cast<Fiber*>(p);
+    Worker* W = static_cast<Worker*>(f->head->worker);
 #if EMU_ASAN
     __sanitizer_finish_switch_fiber(nullptr, &W->sched_bottom, &W->sched_size);
 #endif
     W->thunk(W->args);
     fiber_exit(f);
-    switch_to_scheduler(f);
+    switch_to_scheduler(W, f);
     std::abort();  // a finished fiber is never resumed
 }
 
@@ -228,36 +246,41 @@ static void emu_fiber_entry_uc(unsigned lo, unsigned hi) {
 namespace emu {
 namespace {
 
-void init_fiber(Fiber& f) {
-    if (!f.stack) {
-        void* m = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+void init_fiber(Worker& w, Fiber& f) {
+    if (!f.stack) {  // a kStack-aligned kStack bytes: map twice the size, trim the ends
+        void* m = mmap(nullptr, 2 * kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) std::abort();
-        mprotect(m, 4096, PROT_NONE);  // stack overflow faults instead of corrupting
-        f.stack = static_cast<char*>(m);
+        uintptr_t a = ((uintptr_t)m + kStack - 1) & ~(uintptr_t)(kStack - 1);
+        if (a > (uintptr_t)m) munmap(m, a - (uintptr_t)m);
+        uintptr_t end = (uintptr_t)m + 2 * kStack;
+        if (end > a + kStack) munmap((void*)(a + kStack), end - (a + kStack));
+        f.stack = reinterpret_cast<char*>(a);
+        mprotect(f.stack + 4096, 4096, PROT_NONE);  // stack overflow faults instead of corrupting
+        f.head = new (f.stack) FiberHead{};
     }
 #if EMU_ASAN
-    __asan_unpoison_memory_region(f.stack + 4096, kStack - 4096);
+    __asan_unpoison_memory_region(f.stack + kLow, kStack - kLow);
 #endif
+    f.head->block = &w.block;
+    f.head->worker = &w;
+    f.head->fiber = &f;
     f.done = false;
+    f.blocked = false;
     f.waiting = nullptr;
     f.fake_stack = nullptr;
 #if defined(__x86_64__)
     uintptr_t top = ((uintptr_t)(f.stack + kStack)) & ~(uintptr_t)15;
-    uint64_t* sp = reinterpret_cast<uint64_t*>(top - 88);  // see emu_switch: ret lands 16-aligned
-    uint32_t mxcsr;
-    uint16_t fpcw;
-    asm volatile("stmxcsr %0" : "=m"(mxcsr));
-    asm volatile("fnstcw %0" : "=m"(fpcw));
-    std::memset(sp, 0, 88);
-    std::memcpy(&sp[0], &fpcw, 2);
-    std::memcpy(reinterpret_cast<char*>(&sp[1]), &mxcsr, 4);
-    sp[2 + 3] = (uint64_t)(uintptr_t)&f;  // r12 (pop order: r15 r14 r13 r12 rbx rbp)
-    sp[8] = (uint64_t)(uintptr_t)&emu_fiber_start;
+    // pop order r15 r14 r13 r12 rbx rbp, then ret: after it rsp = top - 16 (16-aligned for the
+    // call in emu_fiber_start)
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top - 72);
+    std::memset(sp, 0, 72);
+    sp[3] = (uint64_t)(uintptr_t)&f;  // r12: the fiber
+    sp[6] = (uint64_t)(uintptr_t)&emu_fiber_start;
     f.sp = sp;
 #else
     getcontext(&f.uc);
-    f.uc.uc_stack.ss_sp = f.stack + 4096;
-    f.uc.uc_stack.ss_size = kStack - 4096;
+    f.uc.uc_stack.ss_sp = f.stack + kLow;
+    f.uc.uc_stack.ss_size = kStack - kLow;
     f.uc.uc_link = nullptr;
     uintptr_t p = (uintptr_t)&f;
     makecontext(&f.uc, (void (*)())emu_fiber_entry_uc, 2, (unsigned)p, (unsigned)(p >> 32));
@@ -266,10 +289,9 @@ void init_fiber(Fiber& f) {
 
 void resume(Worker& w, Fiber& f) {
     w.running = &f;
-    cur_thread = &f.ctx;
 #if EMU_ASAN
     void* fake = nullptr;
-    __sanitizer_start_switch_fiber(&fake, f.stack + 4096, kStack - 4096);
+    __sanitizer_start_switch_fiber(&fake, f.stack + kLow, kStack - kLow);
 #endif
 #if defined(__x86_64__)
     emu_switch(&w.sched_sp, f.sp);
@@ -280,16 +302,15 @@ void resume(Worker& w, Fiber& f) {
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
     w.running = nullptr;
-    cur_thread = nullptr;
 }
 
 std::string deadlock_report(Worker& w) {
-    std::string s = "deadlock in block (" + std::to_string(cur_block.bid.x) + "," + std::to_string(cur_block.bid.y) +
-                    "," + std::to_string(cur_block.bid.z) + "): ";
+    std::string s = "deadlock in block (" + std::to_string(w.block.bid.x) + "," + std::to_string(w.block.bid.y) +
+                    "," + std::to_string(w.block.bid.z) + "): ";
     int shown = 0;
     for (auto& f : w.fibers) {
         if (f.done || shown >= 4) continue;
-        s += "thread " + std::to_string(f.ctx.lin) + " waits in " + (f.waiting ? f.waiting : "?") + "; ";
+        s += "thread " + std::to_string(f.head->ctx.lin) + " waits in " + (f.waiting ? f.waiting : "?") + "; ";
         shown++;
     }
     s += std::to_string(w.live) + " threads unfinished, " + std::to_string(w.nthreads - w.live) + " exited";
@@ -298,20 +319,22 @@ std::string deadlock_report(Worker& w) {
 
 // Runs one block to completion; false (w.error set) on a failure.
 bool run_block(Worker& w, uint3 bid, const LaunchCfg& cfg) {
-    cur_block.bid = bid;
+    w.block.bid = bid;
     const unsigned n = cfg.block[0] * cfg.block[1] * cfg.block[2];
     w.nthreads = w.live = n;
     w.bar_arrived = 0;
+    w.bar_waiters.clear();
     w.warps.assign((n + 31) / 32, WarpState{});
     for (unsigned i = 0; i < n; ++i) w.warps[i / 32].live_lanes |= 1U << (i % 32);
     if (w.fibers.size() < n) w.fibers.resize(n);
     for (unsigned i = 0; i < n; ++i) {
         Fiber& f = w.fibers[i];
-        init_fiber(f);
-        f.ctx.lin = i;
-        f.ctx.lane = i % 32;
-        f.ctx.warp = i / 32;
-        f.ctx.tid = uint3{i % cfg.block[0], (i / cfg.block[0]) % cfg.block[1], i / (cfg.block[0] * cfg.block[1])};
+        init_fiber(w, f);
+        ThreadCtx& c = f.head->ctx;
+        c.lin = i;
+        c.lane = i % 32;
+        c.warp = i / 32;
+        c.tid = uint3{i % cfg.block[0], (i / cfg.block[0]) % cfg.block[1], i / (cfg.block[0] * cfg.block[1])};
     }
     // CUDA shared memory is uninitialised: garbage in the dynamic buffers (NaN as floats)
     for (auto& d : dyn_shared()) {
@@ -336,7 +359,7 @@ bool run_block(Worker& w, uint3 bid, const LaunchCfg& cfg) {
         uint64_t p0 = w.progress;
         for (unsigned i : order) {
             Fiber& f = w.fibers[i];
-            if (f.done) continue;
+            if (f.done || f.blocked) continue;
             resume(w, f);
             if (!w.error.empty()) return false;
         }
@@ -351,26 +374,28 @@ bool run_block(Worker& w, uint3 bid, const LaunchCfg& cfg) {
 }  // namespace
 
 void syncthreads() {
-    Worker& w = *W;
+    Worker& w = *cur_worker();
     uint64_t g = w.bar_gen;
     w.bar_arrived++;
     w.progress++;
     if (w.bar_arrived == w.live) {
         w.bar_arrived = 0;
         w.bar_gen++;
+        release(w.bar_waiters);
         if (w.shuffle) yield("__syncthreads (released)");
         return;
     }
-    while (w.bar_gen == g) yield("__syncthreads");
+    while (w.bar_gen == g) block_on(w.bar_waiters, "__syncthreads");
 }
 
 const uint64_t* warp_exchange(unsigned mask, int op, uint64_t mine) {
-    Worker& w = *W;
-    Fiber* f = w.running;
-    const unsigned lane = f->ctx.lane;
-    WarpState& ws = w.warps[f->ctx.warp];
+    FiberHead* h = self();
+    Worker& w = *static_cast<Worker*>(h->worker);
+    Fiber* f = static_cast<Fiber*>(h->fiber);
+    const unsigned lane = h->ctx.lane;
+    WarpState& ws = w.warps[h->ctx.warp];
     if (!((mask >> lane) & 1U)) fail("a *_sync intrinsic called by a lane outside its mask");
-    const unsigned nwarp = std::min(32U, w.nthreads - 32U * f->ctx.warp);
+    const unsigned nwarp = std::min(32U, w.nthreads - 32U * h->ctx.warp);
     if (nwarp < 32 && (mask >> nwarp)) fail("*_sync mask names lanes past the end of the block");
     int b = (int)(ws.gen & 1U);
     while (ws.readers[b] > 0) {  // the buffer's previous values are still being read
@@ -394,23 +419,25 @@ const uint64_t* warp_exchange(unsigned mask, int op, uint64_t mine) {
         ws.arrived_lanes = 0;
         ws.readers[b] = (unsigned)__builtin_popcount(mask);
         ws.gen++;
+        release(ws.waiters);
         if (w.shuffle) yield("warp op (released)");
     } else {
-        while (ws.gen == g) yield("a warp *_sync");
+        while (ws.gen == g) block_on(ws.waiters, "a warp *_sync");
     }
     return ws.slots[b];
 }
 
 void warp_done_reading() {
-    Worker& w = *W;
-    Fiber* f = w.running;
-    w.warps[f->ctx.warp].readers[f->read_buf]--;
+    FiberHead* h = self();
+    Worker& w = *static_cast<Worker*>(h->worker);
+    w.warps[h->ctx.warp].readers[static_cast<Fiber*>(h->fiber)->read_buf]--;
     w.progress++;
 }
 
 void atomic_point() {
-    if (W->shuffle) {
-        W->progress++;
+    Worker* w = cur_worker();
+    if (w->shuffle) {
+        w->progress++;
         yield("atomic");
     }
 }
@@ -442,16 +469,14 @@ int run_grid(const LaunchCfg* cfg, Thunk thunk, void* args, char* err, int errle
     std::mutex mu;
     std::string first_error;
 
-    auto work = [&](int wid) {
-        Worker* saved = W;
-        Worker w;
-        W = &w;
+    auto work = [&](Worker& w, int wid) {
+        w.error.clear();
         w.shuffle = cfg->seed != 0;
         w.rng.seed(cfg->seed * 0x9E3779B97F4A7C15ULL + (unsigned long long)wid);
         w.thunk = thunk;
         w.args = args;
-        cur_block.bdim = uint3{cfg->block[0], cfg->block[1], cfg->block[2]};
-        cur_block.gdim = uint3{cfg->grid[0], cfg->grid[1], cfg->grid[2]};
+        w.block.bdim = uint3{cfg->block[0], cfg->block[1], cfg->block[2]};
+        w.block.gdim = uint3{cfg->grid[0], cfg->grid[1], cfg->grid[2]};
         for (unsigned long long k; !failed.load() && (k = next.fetch_add(1)) < nblocks;) {
             unsigned long long b = order[k];
             uint3 bid{(unsigned)(b % cfg->grid[0]), (unsigned)((b / cfg->grid[0]) % cfg->grid[1]),
@@ -469,14 +494,14 @@ int run_grid(const LaunchCfg* cfg, Thunk thunk, void* args, char* err, int errle
             (void)d;
 #endif
         }
-        W = saved;
     };
     int nw = std::max(1, std::min<int>(cfg->workers, (int)std::min<unsigned long long>(nblocks, 64)));
     if (nw == 1) {
-        work(0);
+        static thread_local Worker cached;  // keeps its fiber stacks from launch to launch
+        work(cached, 0);
     } else {
         std::vector<std::thread> ts;
-        for (int i = 0; i < nw; ++i) ts.emplace_back(work, i);
+        for (int i = 0; i < nw; ++i) ts.emplace_back([&work, i] { Worker w; work(w, i); });
         for (auto& t : ts) t.join();
     }
     return failed ? report(first_error) : 0;
