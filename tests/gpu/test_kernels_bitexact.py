@@ -105,6 +105,11 @@ def test_pack_into_larger_misaligned_out_leaves_the_rest():
 
 
 # -- ScaledSign ------------------------------------------------------------------------------
+def _chunk_mean_abs_f64(x, chunk):
+    xa = x.double().abs()
+    return torch.stack([xa[i:i + chunk].mean() for i in range(0, x.numel(), chunk)])
+
+
 @pytest.mark.parametrize("chunk", [2048, 100, 1])
 def test_sign_matches_torch_reference(chunk, torch_path):
     c = compressors.ScaledSign(chunk=chunk)
@@ -113,9 +118,11 @@ def test_sign_matches_torch_reference(chunk, torch_path):
             x = make_x(n, dtype, zeros_every=13)
             xd = x.to(DEV)
             got = dispatch.sign_compress(c, xd, ctx_for(xd))
-            with torch_path():
-                ref_dev = c.compress(xd, ctx_for(xd))
-            assert_same_bits(got[0], ref_dev[0], f"scales n={n}")  # same device, same reduction
+            # the scales are torch's own reduction on the device in both paths (the same call,
+            # so comparing them with the torch path's proves nothing): check them against an
+            # independent fp64 mean instead; their last bit depends on torch's summation order
+            ref64 = _chunk_mean_abs_f64(x, chunk)
+            assert torch.allclose(got[0].cpu().double(), ref64, rtol=2e-6, atol=0), f"scales n={n}"
             ref_cpu = c.compress(x, ctx_for(x))
             assert_same_bits(got[1], ref_cpu[1], f"sign bits n={n}")  # exact on any device
             dref = c.decompress([got[0].cpu(), got[1].cpu()], ctx_for(x))
