@@ -196,18 +196,9 @@ def test_scatter_add_matches_index_add():
 # -- shared-scale integer quantization -------------------------------------------------------
 def _shared_scale_reference(x, chunk, scales, levels, wire_dtype, key, own_dtype):
     """The op sequence of comms/algorithms/shared_scale.py (steps 2 and 3), on x's device."""
-    from comms.algorithms.shared_scale import _per_chunk_
-    from compressors.hashrng import uniform_into
+    from comms.algorithms.shared_scale import _per_chunk_, quantize_reference
 
-    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))
-    step = scales / levels
-    t = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-    t.copy_(x.float())
-    _per_chunk_(t, inv, chunk, "mul_")
-    u = torch.empty_like(t)
-    uniform_into(u, 0, key)
-    t.add_(u).floor_().clamp_(-levels, levels)
-    q = t.to(wire_dtype)
+    q, t, step = quantize_reference(x.float(), chunk, scales, levels, wire_dtype, key)
     own = _per_chunk_(t, step, chunk, "mul_").to(own_dtype)
     return q, own, step
 
