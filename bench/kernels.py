@@ -59,6 +59,7 @@ def run(sizes, reps: int):
     from comms.algorithms import two_phase as tp
     from comms.algorithms.wire import to_bytes
     from compressors.cuda import dispatch, kernels
+    from comms.algorithms import cuda_kernels as alg_cuda
     from compressors.hashrng import stream_key
 
     dev = torch.device("cuda", 0)
@@ -143,18 +144,18 @@ def run(sizes, reps: int):
         recv = torch.cat([to_bytes(p) for p in payloads])
         ctx2 = tp.chunk_context(ctx, world, 2, 0, 0).with_(numel=m)
         res = torch.zeros(m, device=dev)
-        us = _time_us(lambda: dispatch.two_phase_qsgd_owner(q, recv, world, m, ctx2, None, None), reps)
+        us = _time_us(lambda: alg_cuda.two_phase_qsgd_owner(q, recv, world, m, ctx2, None, None), reps)
         out_b = 4 * q.nchunks(m) + (m * bits + 7) // 8
         row("two-phase owner 8b w=8", n, us, recv.numel() + out_b, copy_gbs, None, "decode-sum-requantize")
-        us = _time_us(lambda: dispatch.two_phase_qsgd_owner(q, recv, world, m, ctx2, res, res), reps)
+        us = _time_us(lambda: alg_cuda.two_phase_qsgd_owner(q, recv, world, m, ctx2, res, res), reps)
         row("two-phase owner +residual", n, us, recv.numel() + out_b + 8 * m, copy_gbs)
 
         # shared-scale int8 encode (with own) and decode
         scales = kernels.chunk_absmax(x, 2048)
-        us = _time_us(lambda: dispatch.shared_scale_quantize(x, 2048, scales, 63, torch.int8, key, torch.float32), reps)
+        us = _time_us(lambda: alg_cuda.shared_scale_quantize(x, 2048, scales, 63, torch.int8, key, torch.float32), reps)
         row("shared-scale encode int8", n, us, 4 * n + n + 4 * n, copy_gbs, None, "q + own")
-        qs, _, step = dispatch.shared_scale_quantize(x, 2048, scales, 63, torch.int8, key, None)
-        us = _time_us(lambda: dispatch.shared_scale_decode(qs, 2048, step, torch.float32), reps)
+        qs, _, step = alg_cuda.shared_scale_quantize(x, 2048, scales, 63, torch.int8, key, None)
+        us = _time_us(lambda: alg_cuda.shared_scale_decode(qs, 2048, step, torch.float32), reps)
         row("shared-scale decode int8", n, us, n + 4 * n, copy_gbs)
         del x, dst, acc
         torch.cuda.empty_cache()

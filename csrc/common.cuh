@@ -38,16 +38,49 @@ __device__ __forceinline__ float hash_uniform(u32 i, u32 key) {
     return __fmul_rn(__fadd_rn(__uint2float_rn(h), 0.5f), 5.9604644775390625e-08f);
 }
 
+// The device path is one PTX cvt each. Host compilers (the CPU emulator of tests/emu builds
+// these files with g++) take the same conversions written in integer ops: exact widening;
+// round to nearest even, overflow to inf, NaN -> 0x7FFF (cvt.rn.f16.f32's canonical NaN).
 __device__ __forceinline__ float half_bits_to_f32(u16 h) {
+#ifdef __CUDA_ARCH__
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#else
+    u32 sign = ((u32)h & 0x8000U) << 16, e = ((u32)h >> 10) & 0x1FU, m = (u32)h & 0x3FFU;
+    if (e == 0x1FU) return __uint_as_float(sign | 0x7F800000U | (m << 13));  // inf, NaN
+    if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
+        float v = __fmul_rn(__uint2float_rn(m), 5.9604644775390625e-08f);
+        return __uint_as_float(sign | __float_as_uint(v));
+    }
+    return __uint_as_float(sign | ((e + 112U) << 23) | (m << 13));
+#endif
 }
 
 __device__ __forceinline__ u16 f32_to_half_bits(float f) {
+#ifdef __CUDA_ARCH__
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#else
+    u32 x = __float_as_uint(f), sign = (x >> 16) & 0x8000U, ax = x & 0x7FFFFFFFU;
+    if (ax > 0x7F800000U) return (u16)0x7FFF;                // NaN
+    if (ax >= 0x477FF000U) return (u16)(sign | 0x7C00U);     // >= 65520 rounds to inf
+    u32 e = ax >> 23, base, rem, halfway;
+    if (e < 113U) {  // below 2^-14: a subnormal half (units of 2^-24) or zero
+        if (ax < 0x33000000U) return (u16)sign;              // <= 2^-25 rounds to zero
+        u32 m = (ax & 0x7FFFFFU) | 0x800000U, s = 126U - e;  // value = m * 2^(e-150)
+        base = m >> s;
+        rem = m & ((1U << s) - 1U);
+        halfway = 1U << (s - 1U);
+    } else {
+        base = ((e - 112U) << 10) | ((ax >> 13) & 0x3FFU);
+        rem = ax & 0x1FFFU;
+        halfway = 0x1000U;
+    }
+    if (rem > halfway || (rem == halfway && (base & 1U))) base++;  // a carry bumps the exponent
+    return (u16)(sign | base);
+#endif
 }
 
 // c10::round_to_nearest_even: NaN -> 0x7FC0, else add the rounding bias and truncate.

@@ -1,6 +1,6 @@
 // shared_scale.cu -- shared-scale integer quantization (comms/algorithms/shared_scale.py).
 // Every rank quantizes with the SAME per-chunk scale to integers in [-L, L]:
-//   t = fl(x * inv[c]); q = clamp(floor(fl(t + u)), -L, L); own = fl(q * step[c])
+//   t = fl(x * inv[c]); q = clamp(floor(fl(t + u)), -L, L) (NaN -> 0); own = fl(q * step[c])
 // and the integer sum decodes as out = fl(float(sum) * step[c]). inv = L / s and
 // step = s / L are tiny per-chunk vectors computed by the caller with the same torch ops as the
 // reference (so the division semantics are those of torch on the same device).
@@ -24,7 +24,9 @@ extern "C" __global__ void shared_scale_encode(const void* x, int dtype, i64 n, 
         i64 c = i / chunk;
         float t = __fmul_rn(load_f32(x, i, dtype), inv[c]);
         t = floorf(__fadd_rn(t, hash_uniform((u32)i, key)));
-        t = fminf(fmaxf(t, -levels), levels);
+        // NaN t (NaN/inf x, or 0 * inf when inv overflowed) -> 0, like the reference; fminf/fmaxf
+        // alone would turn it into -levels
+        t = t != t ? 0.0f : fminf(fmaxf(t, -levels), levels);
         if (q_is_int32) ((int*)q)[i] = (int)t;
         else ((signed char*)q)[i] = (signed char)(int)t;
         if (own) store_from_f32(own, i, __fmul_rn(t, step[c]), own_dtype);

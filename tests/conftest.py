@@ -6,7 +6,7 @@ import sys
 # and the folders whose helper modules tests import by plain name on the path ourselves
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
-for p in (*(os.path.join(TESTS, d) for d in ("unit", "gpu", "mpi", "netsim")), TESTS, ROOT):
+for p in (*(os.path.join(TESTS, d) for d in ("unit", "gpu", "mpi", "netsim", "emu")), TESTS, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 os.environ.setdefault("PYTHONPATH", ROOT)

@@ -36,13 +36,13 @@ import logging
 import torch
 
 from compressors.hashrng import stream_key, uniform_into
-from compressors.cuda import dispatch as cuda_dispatch
 
+from . import cuda_kernels as cuda_dispatch
 from .base import Algorithm
 from .layout_check import HEADER_BYTES, check_same_layout
 
 __all__ = ["SharedScale", "shared_scale", "shared_scale_levels", "shared_scale_error_bound",
-           "MIN_INT8_LEVELS"]
+           "quantize_reference", "decode_reference", "MIN_INT8_LEVELS"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,36 @@ def _per_chunk_(t: torch.Tensor, per_chunk: torch.Tensor, chunk: int, op: str) -
     return t
 
 
+def quantize_reference(xf, chunk, scales, levels, wire_dtype, key):
+    """Step 2 in torch ops (the oracle of csrc/shared_scale.cu): ``(q, t, step)`` with
+    ``q = t.to(wire_dtype)``, ``t`` the fp32 integers (``own = t * step``) and ``step = s / L``.
+
+    ``t = clamp(floor(fl(fl(x * inv) + u)), -L, L)`` with ``inv = L / s`` (0 where ``s`` is
+    not > 0), and a NaN ``t`` becomes 0. NaN arises from a NaN or infinite ``x`` (``x * 0``)
+    and from an exact zero in a chunk whose shared scale is so small that ``inv`` overflows to
+    inf (``0 * inf``): 0 is then the right integer (and the one the int8 cast happened to give,
+    where an int32 cast of NaN gives INT_MIN and wraps the sum); the kernel does the same.
+    """
+    n = xf.numel()
+    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))  # fp32 L/s
+    step = scales / levels  # decode step: identical fp32 on every rank
+    t = torch.empty(n, dtype=torch.float32, device=xf.device)
+    t.copy_(xf)
+    _per_chunk_(t, inv, chunk, "mul_")
+    u = torch.empty(n, dtype=torch.float32, device=xf.device)
+    uniform_into(u, 0, key)
+    t.add_(u).floor_().clamp_(-levels, levels)  # clamp: fp rounding of x*L/s may exceed L
+    del u
+    torch.nan_to_num(t, nan=0.0, out=t)  # after the clamp no inf is left: only NaN changes
+    return t.to(wire_dtype), t, step
+
+
+def decode_reference(summed, chunk, step, dtype):
+    """Step 3 in torch ops (the oracle of ``shared_scale_decode``): ``(float(sum) * step).to(dtype)``."""
+    out = summed.reshape(-1).to(torch.float32)
+    return _per_chunk_(out, step, chunk, "mul_").to(dtype)
+
+
 def _shared_scale(comm, compressor, x, ctx, store):
     """Shared-scale integer allreduce of flat ``x``; see the module docstring."""
     if not compressor.supports("shared_scale"):
@@ -101,16 +131,7 @@ def _shared_scale(comm, compressor, x, ctx, store):
         q, own, step = fast
         fut = comm.all_reduce(q)
     else:
-        inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))  # fp32 L/s
-        step = scales / levels  # decode step: identical fp32 on every rank
-        t = torch.empty(n, dtype=torch.float32, device=x.device)
-        t.copy_(xf)
-        _per_chunk_(t, inv, chunk, "mul_")
-        u = torch.empty(n, dtype=torch.float32, device=x.device)
-        uniform_into(u, 0, key)
-        t.add_(u).floor_().clamp_(-levels, levels)  # clamp: fp rounding of x*L/s may exceed L
-        del u
-        q = t.to(wire_dtype)
+        q, t, step = quantize_reference(xf, chunk, scales, levels, wire_dtype, key)
         fut = comm.all_reduce(q)
         # while the sum is in flight: this rank's decoded contribution (for error feedback)
         own = _per_chunk_(t, step, chunk, "mul_").to(ctx.dtype)
@@ -120,8 +141,7 @@ def _shared_scale(comm, compressor, x, ctx, store):
             dec = cuda_dispatch.shared_scale_decode(f.value(), chunk, step, ctx.dtype)
             if dec is not None:
                 return dec, own
-        out = f.value().to(torch.float32)
-        return _per_chunk_(out, step, chunk, "mul_").to(ctx.dtype), own
+        return decode_reference(f.value(), chunk, step, ctx.dtype), own
 
     return fut.then(done)
 

@@ -34,8 +34,8 @@ import logging
 
 import torch
 
-from compressors.cuda import dispatch as cuda_dispatch
 
+from . import cuda_kernels as cuda_dispatch
 from .base import Algorithm
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes

@@ -18,8 +18,9 @@ Results are bit-identical to the torch reference of the same compressor (see eac
     (what goes on the wire) are unaffected; decoded values are. A job must therefore not mix
     ranks that have the kernels with ranks that do not (same CuPy availability everywhere),
     or the reference should divide by a tensor (``torch.full_like(s, M)``) so both agree.
-    The shared-scale kernels take ``L / s`` and ``s / L`` computed by the caller with the
-    reference's torch ops, so they match torch on the same device.
+
+The algorithms' own kernels (shared-scale encode/decode, the fused two-phase owner step) are
+dispatched from ``comms/algorithms/cuda_kernels.py``; this module routes compressor kernels.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from . import kernels, loader
 __all__ = [
     "enabled_for", "qsgd_compress", "qsgd_decompress", "qsgd_decompress_add_", "sign_compress",
     "sign_decompress", "sign_decompress_add_", "topk_compress", "topk_decompress_add_",
-    "shared_scale_quantize", "shared_scale_decode", "two_phase_qsgd_owner",
 ]
 
 logger = logging.getLogger(__name__)
@@ -180,50 +180,3 @@ def topk_decompress_add_(compressor, payload, ctx, acc):
     if idx.dtype != torch.int32 or not _float_ok(vals) or vals.numel() != idx.numel():
         return None
     return kernels.scatter_add_(acc, idx, vals)
-
-
-# -- shared-scale integer quantization (comms/algorithms/shared_scale.py) ----------------------
-def shared_scale_quantize(x, chunk, scales, levels, wire_dtype, key, own_dtype):
-    """Steps 2 of ``shared_scale``: ``(q, own, step)`` with ``inv = L / s`` and ``step = s / L``
-    computed by the reference's torch ops on this device; or None.
-
-    ``key`` is the reference's stream key (``stream_key(seed, step, bucket ^ salt, rank)``).
-    """
-    if wire_dtype not in (torch.int8, torch.int32) or not (enabled_for(x, scales) and _float_ok(x)):
-        return None
-    if own_dtype is not None and own_dtype not in kernels.DTYPE_CODE:
-        return None
-    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))
-    step = scales / levels
-    q, own = kernels.shared_scale_encode(x.reshape(-1), chunk, inv, step, levels, key, wire_dtype, own_dtype)
-    return q, own, step
-
-
-def shared_scale_decode(summed, chunk, step, dtype):
-    """Step 3 of ``shared_scale``: ``(float(sum) * step).to(dtype)``; or None."""
-    if summed.dtype not in (torch.int8, torch.int32) or dtype not in kernels.DTYPE_CODE:
-        return None
-    if not enabled_for(summed, step):
-        return None
-    return kernels.shared_scale_decode(summed.reshape(-1), chunk, step, dtype)
-
-
-# -- two-phase owner step ---------------------------------------------------------------------
-def two_phase_qsgd_owner(compressor, recv, world, m, ctx2, residual_in=None, residual_out=None):
-    """Fused owner step of ``two_phase`` for QSGD payloads in fp32: decode the ``world`` wire
-    payloads of ``recv`` in rank order, sum (+ ``residual_in``), re-quantize with ``ctx2``'s
-    stream; writes ``residual_out`` when given. Returns the owner payload or None."""
-    if getattr(compressor, "name", None) != "qsgd" or ctx2.dtype != torch.float32:
-        return None
-    bits, chunk = compressor.bits, compressor.chunk
-    nch = -(-m // chunk)
-    seg = 4 * nch + (m * bits + 7) // 8
-    if recv.dtype != torch.uint8 or recv.numel() != world * seg or (chunk * bits) % 32:
-        return None
-    if kernels.two_phase_shared_mem(chunk, world) > kernels._SHARED_MEM_LIMIT:
-        return None
-    extra = [t for t in (residual_in, residual_out) if t is not None]
-    if any(t.dtype != torch.float32 or t.numel() != m for t in extra) or not enabled_for(recv, *extra):
-        return None
-    return kernels.two_phase_qsgd_owner(recv, world, m, bits, chunk, stream_key(
-        ctx2.seed, ctx2.step, ctx2.bucket, ctx2.rank), residual_in, residual_out)

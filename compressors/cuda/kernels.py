@@ -22,6 +22,11 @@ Example::
     >>> from compressors.cuda import kernels
     >>> scales, packed = kernels.qsgd_compress(x_cuda, bits=4, chunk=2048, key=key)
 
+Launches go through a backend with ``compressors.cuda.loader``'s interface (``BLOCK``,
+``grid_for``, ``launch``, ``static_shared_bytes``): the loader (CuPy) by default; the CPU
+emulator of ``tests/emu`` plugs in with :func:`set_backend`, so the tests drive the kernels
+with exactly the arguments and launch shapes computed here.
+
 .. warning::
     No argument checking beyond what the kernels need to stay in bounds: callers
     (``compressors/cuda/dispatch.py``) validate. Tensors must be contiguous CUDA tensors.
@@ -39,13 +44,33 @@ from . import loader
 __all__ = [
     "DTYPE_CODE", "chunk_absmax", "qsgd_compress", "qsgd_decompress", "pack", "unpack",
     "sign_pack", "sign_decompress", "topk_compact", "scatter_add_", "shared_scale_encode",
-    "shared_scale_decode", "two_phase_qsgd_owner", "two_phase_shared_mem",
+    "shared_scale_decode", "two_phase_qsgd_owner", "two_phase_shared_mem", "two_phase_fits",
+    "set_backend", "get_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_SHARED_MEM_LIMIT = 48 * 1024  # default dynamic shared memory without an opt-in attribute
+# static + dynamic shared memory of one block without an opt-in attribute
+# (cudaFuncAttributeMaxDynamicSharedMemorySize); a launch above it fails
+_SHARED_MEM_LIMIT = 48 * 1024
+
+_backend = loader  # see set_backend
+
+
+def set_backend(backend=None):
+    """Route every launch of this module to ``backend`` (an object with ``BLOCK``,
+    ``grid_for(work_items, index)``, ``launch(name, index, grid, args, shared_mem=0)`` and
+    ``static_shared_bytes(name, index)``, like :mod:`compressors.cuda.loader`); ``None``
+    restores the loader. Returns the previous backend. For tests: not thread-safe."""
+    global _backend
+    prev, _backend = _backend, (loader if backend is None else backend)
+    return prev
+
+
+def get_backend():
+    """The backend launches go to (:mod:`compressors.cuda.loader` unless set otherwise)."""
+    return _backend
 
 
 def _i64(v):
@@ -53,7 +78,10 @@ def _i64(v):
 
 
 def _dev(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if t.device.index is not None:
+        return t.device.index
+    # CPU tensors reach here only through a CPU backend (the emulator): device index 0
+    return torch.cuda.current_device() if t.is_cuda else 0
 
 
 def _packed_nbytes(n: int, bits: int) -> int:
@@ -71,7 +99,7 @@ def chunk_absmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
     nch = -(-n // chunk)
     out = torch.empty(nch, dtype=torch.float32, device=x.device)
     if nch:
-        loader.launch("chunk_absmax", idx, min(nch, loader.grid_for(nch * loader.BLOCK, idx)),
+        _backend.launch("chunk_absmax", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
                       (x, np.int32(DTYPE_CODE[x.dtype]), _i64(n), _i64(chunk), _i64(nch), out))
     return out
 
@@ -87,13 +115,13 @@ def qsgd_compress(x: torch.Tensor, bits: int, chunk: int, key: int) -> list[torc
     dt, nb = np.int32(DTYPE_CODE[x.dtype]), _i64(packed.numel())
     if (chunk * bits) % 32 == 0 and packed.data_ptr() % 4 == 0:
         # one block per chunk: each chunk owns whole words of the packed stream
-        loader.launch("qsgd_quantize_fused", idx, min(nch, loader.grid_for(nch * loader.BLOCK, idx)),
+        _backend.launch("qsgd_quantize_fused", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
                       (x, dt, _i64(n), _i64(chunk), _i64(nch), np.int32(bits), np.uint32(key),
                        scales, packed, nb))
     else:
-        loader.launch("chunk_absmax", idx, min(nch, loader.grid_for(nch * loader.BLOCK, idx)),
+        _backend.launch("chunk_absmax", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
                       (x, dt, _i64(n), _i64(chunk), _i64(nch), scales))
-        loader.launch("qsgd_quantize_packed", idx, loader.grid_for(n, idx),
+        _backend.launch("qsgd_quantize_packed", idx, _backend.grid_for(n, idx),
                       (x, dt, _i64(n), _i64(chunk), np.int32(bits), np.uint32(key), scales, packed, nb))
     return [scales, packed]
 
@@ -104,7 +132,7 @@ def qsgd_decompress(scales: torch.Tensor, packed: torch.Tensor, bits: int, chunk
     idx = _dev(packed)
     out = acc if acc is not None else torch.empty(n, dtype=dtype, device=packed.device)
     if n:
-        loader.launch("qsgd_dequantize", idx, loader.grid_for(n, idx),
+        _backend.launch("qsgd_dequantize", idx, _backend.grid_for(n, idx),
                       (packed, scales, _i64(n), _i64(chunk), np.int32(bits), out,
                        np.int32(DTYPE_CODE[out.dtype]), np.int32(acc is not None)))
     return out
@@ -118,7 +146,7 @@ def pack(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None, ws=Non
     if out is None:
         out = _packed_buffer(n, bits, codes.device)
     if n:
-        loader.launch("pack_bits", idx, loader.grid_for(n, idx),
+        _backend.launch("pack_bits", idx, _backend.grid_for(n, idx),
                       (codes, _i64(n), np.int32(bits), out, _i64(_packed_nbytes(n, bits))))
     return out
 
@@ -130,7 +158,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = N
     if out is None:
         out = torch.empty(n, dtype=torch.uint8, device=packed.device)
     if n:
-        loader.launch("unpack_bits", idx, loader.grid_for(n, idx), (packed, _i64(n), np.int32(bits), out))
+        _backend.launch("unpack_bits", idx, _backend.grid_for(n, idx), (packed, _i64(n), np.int32(bits), out))
     return out
 
 
@@ -139,7 +167,7 @@ def sign_pack(x: torch.Tensor) -> torch.Tensor:
     n, idx = x.numel(), _dev(x)
     out = _packed_buffer(n, 1, x.device)
     if n:
-        loader.launch("sign_pack", idx, loader.grid_for(n, idx),
+        _backend.launch("sign_pack", idx, _backend.grid_for(n, idx),
                       (x, np.int32(DTYPE_CODE[x.dtype]), _i64(n), out, _i64(out.numel())))
     return out
 
@@ -150,7 +178,7 @@ def sign_decompress(scales: torch.Tensor, packed: torch.Tensor, chunk: int, n: i
     idx = _dev(packed)
     out = acc if acc is not None else torch.empty(n, dtype=dtype, device=packed.device)
     if n:
-        loader.launch("sign_decode", idx, loader.grid_for(n, idx),
+        _backend.launch("sign_decode", idx, _backend.grid_for(n, idx),
                       (packed, scales, _i64(n), _i64(chunk), out, np.int32(DTYPE_CODE[out.dtype]),
                        np.int32(acc is not None)))
     return out
@@ -165,7 +193,7 @@ def topk_compact(x: torch.Tensor, thr: torch.Tensor, cap: int) -> tuple[torch.Te
     slots = torch.empty(max(cap, 1), dtype=torch.int32, device=x.device)
     count = torch.zeros(1, dtype=torch.int32, device=x.device)
     if n:
-        loader.launch("topk_compact", idx, loader.grid_for(n, idx),
+        _backend.launch("topk_compact", idx, _backend.grid_for(n, idx),
                       (x, np.int32(DTYPE_CODE[x.dtype]), _i64(n), thr.reshape(1), slots,
                        np.uint32(cap), count))
     return slots, count
@@ -175,7 +203,7 @@ def scatter_add_(acc: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> to
     """``acc.index_add_(0, idx, vals)`` for fp32 ``acc``, int32 ``idx`` (distinct but zero pads)."""
     k, dev = idx.numel(), _dev(acc)
     if k:
-        loader.launch("topk_scatter_add", dev, loader.grid_for(k, dev),
+        _backend.launch("topk_scatter_add", dev, _backend.grid_for(k, dev),
                       (vals, np.int32(DTYPE_CODE[vals.dtype]), idx, _i64(k), acc, _i64(acc.numel())))
     return acc
 
@@ -188,7 +216,7 @@ def shared_scale_encode(x: torch.Tensor, chunk: int, inv: torch.Tensor, step: to
     q = torch.empty(n, dtype=wire_dtype, device=x.device)
     own = None if own_dtype is None else torch.empty(n, dtype=own_dtype, device=x.device)
     if n:
-        loader.launch("shared_scale_encode", idx, loader.grid_for(n, idx),
+        _backend.launch("shared_scale_encode", idx, _backend.grid_for(n, idx),
                       (x, np.int32(DTYPE_CODE[x.dtype]), _i64(n), _i64(chunk), inv, step,
                        np.float32(levels), np.uint32(key), q, np.int32(wire_dtype == torch.int32),
                        own, np.int32(DTYPE_CODE[own_dtype] if own_dtype is not None else 0)))
@@ -200,15 +228,25 @@ def shared_scale_decode(q: torch.Tensor, chunk: int, step: torch.Tensor, dtype: 
     n, idx = q.numel(), _dev(q)
     out = torch.empty(n, dtype=dtype, device=q.device)
     if n:
-        loader.launch("shared_scale_decode", idx, loader.grid_for(n, idx),
+        _backend.launch("shared_scale_decode", idx, _backend.grid_for(n, idx),
                       (q, np.int32(q.dtype == torch.int32), _i64(n), _i64(chunk), step, out,
                        np.int32(DTYPE_CODE[dtype])))
     return out
 
 
 def two_phase_shared_mem(chunk: int, world: int) -> int:
-    """Dynamic shared memory of :func:`two_phase_qsgd_owner` (the caller checks the limit)."""
+    """Dynamic shared memory of :func:`two_phase_qsgd_owner` (see :func:`two_phase_fits`)."""
     return 4 * (chunk + 2 * world)
+
+
+def two_phase_fits(chunk: int, world: int, index: int) -> bool:
+    """True when :func:`two_phase_qsgd_owner`'s block fits the 48 KiB a launch gets without an
+    opt-in attribute: the dynamic part (:func:`two_phase_shared_mem`) PLUS the kernel's static
+    shared memory (``block_reduce_max_nan``'s slots, 144 B on current GPUs) as the compiled
+    kernel reports it. Counting only the dynamic part let e.g. bits 8, chunk 12280, world 4
+    (exactly 48 KiB dynamic) through to a launch failure with no torch fallback."""
+    static = _backend.static_shared_bytes("two_phase_qsgd_owner", index)
+    return two_phase_shared_mem(chunk, world) + static <= _SHARED_MEM_LIMIT
 
 
 def two_phase_qsgd_owner(recv: torch.Tensor, world: int, m: int, bits: int, chunk: int, key: int,
@@ -217,7 +255,7 @@ def two_phase_qsgd_owner(recv: torch.Tensor, world: int, m: int, bits: int, chun
     """Owner step of two-phase QSGD: decode-sum ``world`` wire payloads, re-quantize.
 
     Returns the owner payload ``[scales, packed]``; writes ``residual_out = y - decode`` when
-    given. Needs ``(chunk * bits) % 32 == 0`` and :func:`two_phase_shared_mem` <= 48 KiB.
+    given. Needs ``(chunk * bits) % 32 == 0`` and :func:`two_phase_fits`.
     """
     idx = _dev(recv)
     nch = -(-m // chunk)
@@ -225,7 +263,7 @@ def two_phase_qsgd_owner(recv: torch.Tensor, world: int, m: int, bits: int, chun
     scales = torch.empty(nch, dtype=torch.float32, device=recv.device)
     packed = _packed_buffer(m, bits, recv.device)
     if m:
-        loader.launch("two_phase_qsgd_owner", idx, min(nch, loader.grid_for(nch * loader.BLOCK, idx)),
+        _backend.launch("two_phase_qsgd_owner", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
                       (recv, _i64(seg), np.int32(world), _i64(m), _i64(chunk), _i64(nch), np.int32(bits),
                        np.uint32(key), residual_in, residual_out, scales, packed, _i64(packed.numel())),
                       shared_mem=two_phase_shared_mem(chunk, world))

@@ -36,7 +36,7 @@ import torch
 
 __all__ = [
     "NVRTC_OPTIONS", "HEADER", "BLOCK", "source_root", "kernel_files", "load_source", "available",
-    "get_kernel", "current_stream", "as_cupy", "launch", "grid_for", "reset",
+    "get_kernel", "current_stream", "as_cupy", "launch", "grid_for", "static_shared_bytes", "reset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ _ENV_SWITCH = "COMMPRESS_CUDA_KERNELS"
 _lock = threading.Lock()
 _modules: dict = {}      # device index -> cupy.RawModule (or the exception that stopped it)
 _kernels: dict = {}      # (device index, name) -> cupy.RawKernel
-_streams: dict = {}      # torch stream handle -> cupy Stream wrapping it
+_streams: dict = {}      # (device index, torch stream handle) -> cupy Stream wrapping it
 _sm_count: dict = {}     # device index -> multiprocessors
 
 
@@ -96,6 +96,10 @@ def _module(index: int):
             if mod is None:
                 try:
                     cp = _cupy()
+                    # CuPy loads a RawModule into the context current when it first compiles
+                    # (get_function), so compile inside the device scope: a DDP callback thread
+                    # whose current device is still 0 would otherwise load it (and create a
+                    # context) on GPU 0 for a tensor on GPU `index`
                     with cp.cuda.Device(index):
                         mod = cp.RawModule(code=load_source(), options=NVRTC_OPTIONS)
                         mod.get_function("pack_bits")  # compile now, so failures surface here
@@ -140,22 +144,30 @@ def get_kernel(name: str, index: int):
     key = (index, name)
     k = _kernels.get(key)
     if k is None:
-        k = _kernels[key] = _module(index).get_function(name)
+        mod = _module(index)
+        with _cupy().cuda.Device(index):  # the function handle belongs to that device's context
+            k = _kernels[key] = mod.get_function(name)
     return k
 
 
 def current_stream(index: int):
-    """CuPy's view of torch's current stream on device ``index`` (memoised per stream)."""
+    """CuPy's view of torch's current stream on device ``index`` (memoised per stream).
+
+    Keyed by ``(index, handle)``: the raw handle alone is not unique across devices (the
+    default stream is 0 on every GPU), and a wrapper made for GPU 0's stream would run GPU 1's
+    kernels on GPU 0's stream."""
     ts = torch.cuda.current_stream(index)
     handle = ts.cuda_stream
-    s = _streams.get(handle)
+    key = (index, handle)
+    s = _streams.get(key)
     if s is None:
         cp = _cupy()
-        try:
-            s = cp.cuda.Stream.from_external(ts)
-        except (AttributeError, TypeError):  # CuPy < 14 or torch without __cuda_stream__
-            s = cp.cuda.ExternalStream(handle, index)
-        _streams[handle] = s
+        with cp.cuda.Device(index):
+            try:
+                s = cp.cuda.Stream.from_external(ts)
+            except (AttributeError, TypeError):  # CuPy < 14 or torch without __cuda_stream__
+                s = cp.cuda.ExternalStream(handle, index)
+        _streams[key] = s
     return s
 
 
@@ -181,6 +193,23 @@ def grid_for(work_items: int, index: int, per_block: int = BLOCK, blocks_per_sm:
     """Blocks for a grid-stride kernel over ``work_items`` (at least 1)."""
     need = -(-max(work_items, 1) // per_block)
     return max(1, min(need, _sms(index) * blocks_per_sm))
+
+
+STATIC_SHARED_FALLBACK = 1024  # assumed static shared memory when CuPy cannot report it
+
+
+def static_shared_bytes(name: str, index: int) -> int:
+    """Static shared memory of kernel ``name`` on device ``index`` as compiled (the
+    ``shared_size_bytes`` attribute); :data:`STATIC_SHARED_FALLBACK` when it cannot be read."""
+    kern = get_kernel(name, index)
+    try:
+        with _cupy().cuda.Device(index):
+            return int(kern.shared_size_bytes)
+    except Exception:  # an older CuPy without the attribute
+        try:
+            return int(kern.attributes["shared_size_bytes"])
+        except Exception:
+            return STATIC_SHARED_FALLBACK
 
 
 def launch(name: str, index: int, grid: int, args, shared_mem: int = 0) -> None:

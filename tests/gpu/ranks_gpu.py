@@ -62,9 +62,9 @@ def train_cuda(rank, spec, algorithm, steps=8, kernels=True, device_index=0):
     return {"params": params, "launches": dict(lc.counts)}
 
 
-def gloo_ranks_on_one_gpu(rank, world, cases):
-    """Every rank on cuda:0 (CUDA tensors through gloo)."""
-    return [train_cuda(rank, spec, alg) for spec, alg in cases]
+def gloo_ranks_on_one_gpu(rank, world, cases, kernels=True):
+    """Every rank on cuda:0 (CUDA tensors through gloo); ``kernels=False``: the torch path."""
+    return [train_cuda(rank, spec, alg, kernels=kernels) for spec, alg in cases]
 
 
 def nccl_world1(spec, algorithm, kernels):

@@ -14,6 +14,7 @@ import torch
 
 import compressors
 from compressors.cuda import dispatch, loader
+from comms.algorithms import cuda_kernels as alg_cuda
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
@@ -55,9 +56,9 @@ def test_dispatch_returns_none_for_cpu_tensors():
     assert dispatch.sign_decompress(s, s.compress(x, ctx), ctx) is None
     assert dispatch.topk_compress(t, x, ctx) is None
     assert dispatch.topk_decompress_add_(t, t.compress(x, ctx), ctx, torch.zeros(5000)) is None
-    assert dispatch.shared_scale_quantize(x, 2048, torch.ones(3), 63, torch.int8, 1, torch.float32) is None
-    assert dispatch.shared_scale_decode(torch.zeros(5000, dtype=torch.int8), 2048, torch.ones(3), torch.float32) is None
-    assert dispatch.two_phase_qsgd_owner(q, torch.zeros(10, dtype=torch.uint8), 1, 5000, ctx) is None
+    assert alg_cuda.shared_scale_quantize(x, 2048, torch.ones(3), 63, torch.int8, 1, torch.float32) is None
+    assert alg_cuda.shared_scale_decode(torch.zeros(5000, dtype=torch.int8), 2048, torch.ones(3), torch.float32) is None
+    assert alg_cuda.two_phase_qsgd_owner(q, torch.zeros(10, dtype=torch.uint8), 1, 5000, ctx) is None
 
 
 def test_available_is_false_without_a_usable_cuda_device(monkeypatch):
