@@ -20,6 +20,10 @@ plans for a few steps each, times the real steps, agrees on the times across ran
 in the fastest (dense unless a compressed plan is >= 3% faster). The locked rule is saved in
 the hook state's ``state_dict`` (a resumed run does not re-tune; ``state.retune()`` does).
 
+Why one module of ~400 lines: the per-bucket rows, the per-step rule and its persistence
+share the planner's bookkeeping (seen buckets, saved decisions, the locked rule); the model
+arithmetic is in cost_model.py, the measuring in probe.py, the timed trials in autotune.py.
+
 Example::
 
     >>> state = comms.register(ddp_model, "qsgd:bits=4")        # algorithm="auto" by default

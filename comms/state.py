@@ -9,6 +9,11 @@ rank and load each rank's own file.
 
 Contract for algorithm authors: ``store`` dicts hold tensors, numbers, strings, ``None`` and
 lists/tuples/dicts of those — anything else makes ``state_dict()`` raise ``TypeError``.
+
+Why one module of ~350 lines: the option validation, the persisted fields and their
+``state_dict``/``load_state_dict``/pickling must change together (a field added in one and
+missed in another breaks resume); the hook's transient helpers live in their own modules
+(config_check, step_flags, layouts, stats).
 """
 
 from __future__ import annotations
