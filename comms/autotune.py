@@ -1,43 +1,54 @@
 """``Autotuner``: the measured half of ``algorithm="auto"``.
 
-The cost model only *proposes*. During the first compressed iterations the tuner runs a few
-whole-step plans ("rules") for ``steps_per_trial`` steps each — always all-dense, then the
-cost model's top proposals — times every step, agrees on the timings across ranks and locks
-in the fastest. Dense wins unless a compressed plan is at least ``prefer_dense`` (3%) faster:
-a compressor that shrinks bytes but slows the step is a bug.
+The cost model only *proposes*. From the first compressed iteration the tuner runs whole-step
+plans ("rules") — always all-dense, then the cost model's best few proposals — **interleaved
+in rounds** (dense, A, B, dense, A, B, ...; each rule for ``steps_per_trial`` steps, the
+first of which is not counted because switching flushes residuals and allocates), times every
+step, agrees on the timings across ranks after each round (one small allgather, MAX per step)
+and decides when **the data decides**:
 
-A rule applies to every bucket of a step:
+* a rule whose every sample is slower than every dense sample is dropped;
+* a compressed rule *wins* when every one of its samples is faster than every dense sample
+  and its median beats dense's by ``prefer_dense`` (3%) and by :data:`MIN_GAIN_S`;
+* a win also needs the mean gain to exceed 3 standard errors of the difference (the measured
+  step-to-step noise); tuning stops when no undecided rule is left after at least
+  ``min_rounds`` (4) rounds, or when the
+  next round would exceed ``max_steps`` (default 40 steps): then the fastest *winning* rule is
+  locked, and dense when none won — an unclear result never compresses. Simulated with
+  three candidates as fast as dense and +-20% uniform step noise, 4 of 200 tunings locked a
+  compressed rule (tests/unit/test_autotuner_rules.py).
 
-* ``"dense"``: plain allreduce everywhere;
-* ``"model"``: the cost model's per-bucket choice;
-* an algorithm name (``"allreduce"``, ``"hier_allgather"``, ...): that algorithm for every
-  bucket the planner would compress at all (small and 1-D buckets stay dense).
+Interleaving matters on a shared machine: a load burst hits every rule of a round instead of
+one rule's whole block. Every rank runs the same deterministic decision on the same agreed
+numbers, so every rank adopts the SAME plan (a plan that differed between ranks would mismatch
+collectives).
+
+**Watchdog.** After the lock, every ``watch_every`` steps (default 200) the runner-up (dense
+when a compressed plan is locked, else the best compressed rule) runs for
+``steps_per_trial`` steps; the agreed comparison with the locked plan's recent steps triggers
+a new tuning when the runner-up now wins, or when the locked plan's recent median drifted by
+more than ``drift`` (25%) from its tuned score (load, link changes). ``state.retune()`` tunes
+again on demand.
+
+A rule applies to every bucket of a step: ``"dense"`` (plain allreduce everywhere),
+``"model"`` (the cost model's per-bucket choice), or an algorithm name (that algorithm for
+every bucket the planner would compress at all; small and 1-D buckets stay dense).
 
 Timing. A step's time is the wall time between the hook's calls for bucket 0 of consecutive
-steps (DDP always launches bucket 0 first, and only after the previous step's futures were
-waited for), so it spans one whole training step — forward, backward, communication,
-optimizer — and sees everything a plan costs: codec time, lost overlap, page faults. The
-first step of each trial is not counted (switching plans allocates buffers and flushes
-residuals). Each rank's per-step times are MAX-reduced (one small allgather at the end of
-the trial phase, when no collective is in flight), the score of a trial is the median of its
-steps, and every rank runs the same deterministic decision on the same numbers — so every
-rank adopts the SAME plan (a plan that differed between ranks would mismatch collectives).
-
-Error feedback across switches: when a bucket moves to another algorithm, the hook adds the
-residuals that belonged to the old one (its own EF residual when the bucket goes dense, the
-two-phase owner residual always) into the bucket once and clears them
+steps (DDP launches bucket 0 first, after the previous step's futures were waited for), so it
+spans a whole training step — forward, backward, communication, optimizer — and sees
+everything a plan costs. Error feedback across switches: when a bucket moves to another
+algorithm, the hook adds the residuals that belonged to the old one into the bucket once
 (``Algorithm.flush_residual_``), so no gradient mass is lost.
 
 Example::
 
     >>> state = comms.register(ddp_model, "powersgd:rank=1")   # auto + autotune by default
-    >>> ... train 20 steps ...
-    >>> print(state.plan)        # per-bucket table, then the trial table and the locked rule
-    >>> state.retune()           # on every rank at the same step: tune again (links changed)
+    >>> ... train 40 steps ...
+    >>> print(state.plan)        # per-bucket table, the trial table, the locked rule, its cost
+    >>> state.retune()           # on every rank at the same step: tune again
 
 .. warning::
-    Tuning starts at the first step ``>= start_iter`` and lasts about
-    ``(trials + 1) * steps_per_trial`` steps, during which some steps run slower plans.
     ``retune()`` must be called on every rank before the same step.
 """
 
@@ -46,6 +57,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections import deque
 from typing import Callable, Sequence
 
 from .algorithms import DENSE
@@ -56,26 +68,47 @@ logger = logging.getLogger(__name__)
 
 MODEL = "model"
 
+# a compressed plan must also save at least this much per step: below it, a few timed steps
+# on a shared CPU cannot tell a real gain from scheduling noise
+MIN_GAIN_S = 1e-3
+
+
+def _int_option(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    return value
+
 
 class Autotuner:
-    """Trial schedule, per-step timing and the agreed decision.
+    """Interleaved trial rounds, per-step timing, the agreed decision and the watchdog.
 
     Args:
-        steps_per_trial: steps each plan runs (>= 2; the first is not counted).
-        trials: compressed plans to try besides all-dense (the cost model's best few).
-        prefer_dense: a compressed plan must be at least this fraction faster than dense.
+        steps_per_trial: steps a rule runs per round (>= 2; the first is not counted).
+        trials: compressed rules to try besides all-dense (the cost model's best few).
+        prefer_dense: a compressed rule must be at least this fraction faster than dense.
         candidates: explicit rules to try instead of the cost model's proposals (``"dense"``
             is always tried first).
+        max_steps: the tuning budget in steps (rounds stop before exceeding it).
+        min_rounds: rounds before an early decision (>= 1).
+        watch_every: steps between watchdog checks after the lock (0: no watchdog).
+        drift: relative change of the locked plan's step time that triggers a new tuning.
 
     Attributes:
         timing: ``None``, or ``fn(rule, seconds) -> seconds`` applied to each locally measured
             step time before the agreement (tests inject timings with it).
-        locked: the decision is made; ``rule`` holds it.
-        table: ``[(rule, seconds or nan, steps counted)]`` of the last trial phase.
+        rule: the rule in force this step (a trial's, the watchdog's runner-up, or the lock).
+        locked: a decision is made; ``decision`` holds it.
+        table: ``[(rule, median seconds or nan, steps counted)]`` of the last trial phase.
+        tuning_steps, tuning_cost_s: steps the last trial phase took, and their time beyond
+            what the locked rule would have taken (agreed numbers).
+        tunings: how many trial phases ran (the watchdog and ``retune`` start new ones).
     """
 
-    def __init__(self, steps_per_trial: int = 3, trials: int = 3, prefer_dense: float = 0.03,
-                 candidates: Sequence[str] | None = None):
+    def __init__(self, steps_per_trial: int = 2, trials: int = 3, prefer_dense: float = 0.03,
+                 candidates: Sequence[str] | None = None, *, max_steps: int = 40,
+                 min_rounds: int = 4, watch_every: int = 200, drift: float = 0.25):
         if isinstance(steps_per_trial, bool) or not isinstance(steps_per_trial, int):
             raise TypeError(f"autotune_steps must be an int, got {steps_per_trial!r}")
         if steps_per_trial < 2:
@@ -88,77 +121,220 @@ class Autotuner:
         if candidates is not None and (isinstance(candidates, str)
                                        or not all(isinstance(c, str) for c in candidates)):
             raise TypeError(f"candidates must be a list of rule names, got {candidates!r}")
+        self.max_steps = _int_option("autotune max_steps", max_steps, steps_per_trial)
+        self.min_rounds = _int_option("autotune min_rounds", min_rounds, 1)
+        self.watch_every = _int_option("autotune watch_every", watch_every, 0)
+        if not isinstance(drift, (int, float)) or not drift > 0:
+            raise ValueError(f"autotune drift must be > 0, got {drift!r}")
         self.steps = steps_per_trial
         self.n_trials = trials
         self.prefer_dense = float(prefer_dense)
+        self.drift = float(drift)
         self.candidates = None if candidates is None else list(candidates)
         self.timing: Callable[[str, float], float] | None = None
+        self.tunings = 0
         self.reset()
 
     def reset(self) -> None:
         """Forget the decision and the measurements; the next step starts a trial phase."""
         self.locked = False
         self.rule: str | None = None
+        self.decision: str | None = None
         self.start: int | None = None
         self.trials: list[str] = []
         self.table: list[tuple[str, float, int]] = []
+        self.tuning_steps = 0
+        self.tuning_cost_s = 0.0
+        self._active: list[str] = []
+        self._rounds = 0
+        self._samples: dict[str, list[float]] = {}
+        self._round: list[tuple[int, str, bool]] = []  # (step, rule, counted) of this round
+        self._phase_steps: list[tuple[str, float]] = []  # agreed (rule, seconds) of the phase
         self._durations: dict[int, float] = {}
         self._last: tuple[int, float] | None = None  # (step, clock) of the last bucket-0 call
+        self._recent: deque = deque(maxlen=8)  # locked steps before the next watchdog check
+        self._check: list[tuple[int, str]] = []  # the watchdog's (step, rule) schedule
+        self._locked_at: int | None = None
 
     # -- per step -------------------------------------------------------------------------
-    def rule_of(self, step: int) -> str | None:
-        if self.locked or self.start is None:
-            return self.rule
-        k = (step - self.start) // self.steps
-        return self.trials[k] if 0 <= k < len(self.trials) else None
-
     def begin_step(self, step: int, now: float, propose: Callable[[], list[str]],
                    agree: Callable[[list[float]], list[float]]) -> str:
         """Called at bucket 0 of every tuned step, on every rank; returns this step's rule.
 
         ``propose()`` gives the compressed rules ranked best first (identical on all ranks);
-        ``agree(values)`` returns the element-wise MAX over ranks (a collective; only called
-        once, when the trial phase ends).
+        ``agree(values)`` returns the element-wise MAX over ranks (a collective: called at
+        the end of each trial round and of each watchdog check, on every rank alike).
         """
         last, self._last = self._last, (step, now)
-        if self.locked:
-            return self.rule
-        if last is not None and last[0] == step - 1 and self.start is not None:
+        if last is not None and last[0] == step - 1:
             seconds = now - last[1]
-            rule = self.rule_of(step - 1)
-            if self.timing is not None and rule is not None:
-                seconds = float(self.timing(rule, seconds))
+            if self.timing is not None and self.rule is not None:
+                seconds = float(self.timing(self.rule, seconds))
             self._durations[step - 1] = seconds
+        if self.locked:
+            return self._watch(step, agree)
         if self.start is None:
             proposed = self.candidates if self.candidates is not None else propose()[: self.n_trials]
             self.trials = [DENSE] + [r for r in dict.fromkeys(proposed) if r != DENSE]
+            self._active = list(self.trials)
+            self._samples = {r: [] for r in self.trials}
             self.start = step
-            logger.debug("autotune: trials %s from step %d, %d steps each", self.trials, step, self.steps)
-        rule = self.rule_of(step)
-        if rule is not None:
-            self.rule = rule
-            return rule
-        self._decide(agree)
+            self.tunings += 1
+            logger.debug("autotune: rules %s from step %d, rounds of %d steps each",
+                         self.trials, step, self.steps)
+        if not self._round or step > self._round[-1][0]:
+            if self._round:
+                self._end_round(agree)
+                if self.locked:
+                    return self._watch(step, agree)
+            self._round = [(step + i * self.steps + j, r, j > 0)
+                           for i, r in enumerate(self._active) for j in range(self.steps)]
+        self.rule = next(r for s, r, _ in self._round if s == step)
         return self.rule
 
-    def _decide(self, agree) -> None:
-        counted = self.steps - 1
-        vec = [self._durations.get(self.start + i * self.steps + j, math.nan)
-               for i in range(len(self.trials)) for j in range(1, self.steps)]
-        vals = list(agree(vec)) if vec else []
-        scores = []
-        for i, rule in enumerate(self.trials):
-            mine = [v for v in vals[i * counted:(i + 1) * counted] if math.isfinite(v)]
-            scores.append((rule, statistics.median(mine) if mine else math.nan, len(mine)))
-        self.table = scores
-        self.rule = choose_rule(scores, self.prefer_dense)
-        self.locked = True
+    def _end_round(self, agree) -> None:
+        vals = list(agree([self._durations.get(s, math.nan) for s, _, _ in self._round]))
+        for (s, r, counted), v in zip(self._round, vals):
+            self._phase_steps.append((r, v))
+            if counted and math.isfinite(v):
+                self._samples[r].append(v)
         self._durations.clear()
+        self._rounds += 1
+        rounds = self._rounds
+        dense = self._samples[DENSE]
+        undecided = []
+        for r in self._active:
+            if r == DENSE or not self._samples[r]:
+                continue
+            s = self._samples[r]
+            if dense and min(s) > max(dense):
+                continue  # slower than every dense step: dropped
+            if dense and rounds >= self.min_rounds and min(s) > max(dense) * (1 - self.prefer_dense):
+                continue  # none of its steps beat dense by the margin: it cannot win
+            if not (dense and self._wins(s, dense)):
+                undecided.append(r)
+        winners = [r for r in self._active if r != DENSE and dense and self._samples[r]
+                   and self._wins(self._samples[r], dense)]
+        # between winners the median decides; they stay in play while their ranges overlap
+        if winners:
+            best = min(winners, key=lambda r: statistics.median(self._samples[r]))
+            bmax = max(self._samples[best])
+            undecided += [r for r in winners if r != best and min(self._samples[r]) <= bmax]
+            keep = [best] + undecided
+        else:
+            keep = undecided
+        self._active = [DENSE] + [r for r in self._active if r in keep]
+        used = sum(1 for _ in self._phase_steps)
+        next_round = len(self._active) * self.steps
+        if (rounds >= self.min_rounds and not undecided) or used + next_round > self.max_steps \
+                or len(self._active) == 1:
+            self._lock(winners)
+
+    def _wins(self, s: list[float], dense: list[float]) -> bool:
+        """Every sample of ``s`` beats every dense sample, its median beats dense's by the
+        margins, and the mean gain exceeds 3 standard errors of the difference (the measured
+        step-to-step noise)."""
+        d = statistics.median(dense)
+        m = statistics.median(s)
+        if not (max(s) < min(dense) and m < min(d * (1 - self.prefer_dense), d - MIN_GAIN_S)):
+            return False
+        if len(s) < 2 or len(dense) < 2:
+            return True
+        se = math.sqrt(statistics.variance(s) / len(s) + statistics.variance(dense) / len(dense))
+        return statistics.fmean(dense) - statistics.fmean(s) > 3 * se
+
+    def _lock(self, winners) -> None:
+        self.table = [(r, statistics.median(self._samples[r]) if self._samples[r] else math.nan,
+                       len(self._samples[r])) for r in self.trials]
+        decision = DENSE
+        if winners:
+            decision = min(winners, key=lambda r: statistics.median(self._samples[r]))
+        self.decision = self.rule = decision
+        self.locked = True
+        score = dict((r, s) for r, s, _ in self.table)[decision]
+        finite = [v for _, v in self._phase_steps if math.isfinite(v)]
+        self.tuning_steps = len(self._phase_steps)
+        self.tuning_cost_s = max(0.0, sum(finite) - len(finite) * score) if math.isfinite(score) else 0.0
+        self._round = []
+        self._recent.clear()
+        self._check = []
+        self._locked_at = None
+
+    # -- after the lock: the watchdog ------------------------------------------------------------
+    def _runner_up(self) -> str | None:
+        if self.decision != DENSE:
+            return DENSE
+        rest = [(s, r) for r, s, _ in self.table if r != DENSE and math.isfinite(s)]
+        return min(rest)[1] if rest else None
+
+    def _watch(self, step: int, agree) -> str:
+        if self._locked_at is None:
+            self._locked_at = step
+        if self._check:
+            if step <= self._check[-1][0]:
+                self.rule = dict(self._check)[step]
+                return self.rule
+            # the check is over (its last step's time is known now): decide, on every rank
+            got = [self._durations.get(s, math.nan) for s, _ in self._check[1:]]
+            recent = statistics.median(self._recent) if self._recent else math.nan
+            vals = list(agree(got + [recent]))
+            finite = [v for v in vals[:-1] if math.isfinite(v)]
+            challenger = statistics.median(finite) if finite else math.nan
+            recent = vals[-1]
+            self._check = []
+            self._recent.clear()
+            self._durations.clear()
+            self._locked_at = step
+            if self._should_retune(challenger, recent):
+                logger.info("autotune watchdog at step %d: locked %r %.1f ms (tuned %.1f ms), "
+                            "runner-up %.1f ms: tuning again", step, self.decision,
+                            recent * 1e3, self._score() * 1e3, challenger * 1e3)
+                return self._restart(step)
+        else:
+            d = self._durations.pop(step - 1, None)
+            if d is not None and self.rule == self.decision:
+                self._recent.append(d)
+            self._durations.clear()
+        other = self._runner_up()
+        if self.watch_every and other is not None and step - self._locked_at >= self.watch_every:
+            self._check = [(step + j, other) for j in range(self.steps)]
+            self.rule = other
+            return other
+        self.rule = self.decision
+        return self.rule
+
+    def _restart(self, step: int) -> str:
+        """A new trial phase from ``step`` with the same rules (the clock keeps running)."""
+        trials, last = list(self.trials), self._last
+        self.reset()
+        self._last = last
+        self.start = step
+        self.trials = trials
+        self._active = list(trials)
+        self._samples = {r: [] for r in trials}
+        self.tunings += 1
+        self._round = [(step + i * self.steps + j, r, j > 0)
+                       for i, r in enumerate(self._active) for j in range(self.steps)]
+        self.rule = self._round[0][1]
+        return self.rule
+
+    def _score(self) -> float:
+        return dict((r, s) for r, s, _ in self.table).get(self.decision, math.nan)
+
+    def _should_retune(self, challenger: float, recent: float) -> bool:
+        score = self._score()
+        if math.isfinite(recent) and math.isfinite(score) and score > 0 \
+                and abs(recent - score) > self.drift * score:
+            return True
+        if not (math.isfinite(challenger) and math.isfinite(recent)):
+            return False
+        return challenger < min(recent * (1 - self.prefer_dense), recent - MIN_GAIN_S)
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"locked": self.locked, "rule": self.rule if self.locked else None,
-                "table": [[r, float(s), int(n)] for r, s, n in self.table]}
+        return {"locked": self.locked, "rule": self.decision if self.locked else None,
+                "table": [[r, float(s), int(n)] for r, s, n in self.table],
+                "tuning_steps": self.tuning_steps, "tuning_cost_s": float(self.tuning_cost_s)}
 
     def load_state_dict(self, sd: dict) -> None:
         """A locked decision is kept (no re-tuning); an unfinished trial phase starts afresh."""
@@ -168,35 +344,35 @@ class Autotuner:
             raise TypeError(f"a locked autotune state needs a rule name, got {sd.get('rule')!r}")
         self.reset()
         if sd["locked"]:
-            self.locked, self.rule = True, sd["rule"]
+            self.locked, self.rule, self.decision = True, sd["rule"], sd["rule"]
             self.table = [(str(r), float(s), int(n)) for r, s, n in sd.get("table", [])]
+            self.trials = [r for r, _, _ in self.table]
+            self.tuning_steps = int(sd.get("tuning_steps", 0))
+            self.tuning_cost_s = float(sd.get("tuning_cost_s", 0.0))
 
     def __str__(self) -> str:
         if not self.table:
             state = (f"trial phase from step {self.start}: {self.trials}" if self.start is not None
                      else "not started")
-            return f"autotune: {state}" + (f", locked {self.rule!r}" if self.locked else "")
+            return f"autotune: {state}" + (f", locked {self.decision!r}" if self.locked else "")
         dense = self.table[0][1]
         lines = [f"{'trial':>16} {'step ms':>10} {'steps':>6} {'vs dense':>9}"]
         for rule, s, n in self.table:
             rel = f"{dense / s:>8.2f}x" if math.isfinite(s) and math.isfinite(dense) and s > 0 else f"{'-':>9}"
             lines.append(f"{rule:>16} {s * 1e3:>10.1f} {n:>6} {rel}"
-                         + ("   <- locked" if rule == self.rule else ""))
-        lines.append(f"autotune: locked {self.rule!r} (a compressed plan must be >= "
-                     f"{self.prefer_dense:.0%} faster than dense)")
+                         + ("   <- locked" if rule == self.decision else ""))
+        lines.append(f"autotune: locked {self.decision!r} after {self.tuning_steps} tuning steps "
+                     f"(cost {self.tuning_cost_s * 1e3:.0f} ms beyond the locked plan; a compressed "
+                     f"plan must beat every dense step and the dense median by "
+                     f"{self.prefer_dense:.0%}); tunings so far: {self.tunings}")
         return "\n".join(lines)
-
-
-# a compressed plan must also save at least this much per step: below it, 3 timed steps on a
-# shared CPU cannot tell a real gain from scheduling noise (make demo's 2-5 ms steps picked a
-# slower compressed plan once on relative margins alone)
-MIN_GAIN_S = 1e-3
 
 
 def choose_rule(scores: Sequence[tuple[str, float, int]], prefer_dense: float,
                 min_gain: float = MIN_GAIN_S) -> str:
-    """The fastest compressed rule if it beats dense by ``prefer_dense`` (relative) and by
-    ``min_gain`` seconds, else ``"dense"``.
+    """The fastest compressed rule if its score beats dense by ``prefer_dense`` (relative)
+    and by ``min_gain`` seconds, else ``"dense"`` (scores only, no spread: for callers that
+    hold one number per rule).
 
     ``scores[0]`` is dense. Ties keep the earlier (better-predicted) rule; a rule without a
     finite score never wins; without a dense score a compressed rule must simply be finite.

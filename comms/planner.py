@@ -103,6 +103,10 @@ class Plan:
                          + (f"  [{note}]" if note else ""))
         if self.tuner is not None:
             lines.append(str(self.tuner))
+            errors = self.model_errors()
+            if errors:
+                lines.append("model vs measured, step time beyond dense (ms): " + ", ".join(
+                    f"{rule} predicted {p * 1e3:+.1f} measured {m * 1e3:+.1f}" for rule, (p, m) in errors.items()))
         if self.topology is not None:
             lines.append(f"topology: nodes={self.topology.nodes}")
         if self.model is not None:
@@ -110,6 +114,29 @@ class Plan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def model_errors(self) -> dict:
+        """``{rule: (predicted, measured)}`` seconds per step beyond dense, for every tried
+        rule with a measured median: the model predicts communication per bucket, the tuner
+        measures whole steps, and their differences to dense are comparable."""
+        if self.tuner is None or not self.tuner.table:
+            return {}
+        measured = {r: s for r, s, _ in self.tuner.table}
+        dense = measured.get(DENSE, math.nan)
+        out = {}
+        for rule, s in measured.items():
+            if rule == DENSE or not (math.isfinite(s) and math.isfinite(dense)):
+                continue
+            pred = 0.0
+            for r in self.rows:
+                name = r.model_choice if rule == MODEL else rule
+                t = r.predicted.get(name if r.reason == "cheapest" else DENSE, r.predicted.get(DENSE))
+                if t is None or DENSE not in r.predicted:
+                    break
+                pred += t - r.predicted[DENSE]
+            else:
+                out[rule] = (pred, s - dense)
+        return out
 
 
 class Planner:
@@ -148,7 +175,7 @@ class Planner:
                  algorithms: Iterable[str] | None = None, min_numel: int = 1 << 14,
                  margin: float = 0.1, hierarchical: bool = True, probe: bool = True,
                  probe_sizes=PROBE_SIZES, probe_reps: int = 3, autotune: bool = True,
-                 autotune_steps: int = 3, autotune_trials: int = 3, prefer_dense: float = 0.03):
+                 autotune_steps: int = 2, autotune_trials: int = 3, prefer_dense: float = 0.03):
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
         if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -310,8 +337,9 @@ class Planner:
             logger.info("commpress plan:\n%s", self.plan)
         if not self.ready:  # before setup (e.g. a config check): decide nothing yet
             return DENSE
-        rule = self.tuner.rule if self.tuner is not None else None
-        if key in self._saved:  # a restored locked plan: exactly what the saved run ran
+        rule = self.tuner.rule if self.tuner is not None else None  # in force this step
+        if key in self._saved and self.tuner is not None and self.tuner.locked \
+                and rule == self.tuner.decision:  # a restored lock: exactly what the saved run ran
             return self._saved[key]
         return self._apply(rule or MODEL, self._row(key, ndims))
 
@@ -356,9 +384,13 @@ class Planner:
         row.chosen = best
         return row
 
+    def _locked_rule(self) -> str:
+        t = self.tuner
+        return (t.decision if t is not None and t.locked else (t.rule if t is not None else None)) or MODEL
+
     @property
     def plan(self) -> Plan:
-        rule = (self.tuner.rule if self.tuner is not None else None) or MODEL
+        rule = self._locked_rule()
         rows = []
         for r in sorted(self._rows.values(), key=lambda r: (r.bucket, r.numel)):
             key = (r.bucket, r.numel, r.dtype)
@@ -369,7 +401,7 @@ class Planner:
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The autotuner's decision and the per-bucket choices under it (plain values)."""
-        rule = (self.tuner.rule if self.tuner is not None else None) or MODEL
+        rule = self._locked_rule()
         decisions = [[b, n, str(dt), self._apply(rule, r)] for (b, n, dt), r in sorted(
             self._rows.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2])))]
         decisions += [[b, n, str(dt), a] for (b, n, dt), a in self._saved.items()

@@ -99,7 +99,8 @@ class CompressionState:
         min_compress_numel: buckets smaller than this go dense (latency dominates).
         autotune: with ``algorithm="auto"``: time the best few plans on real steps and lock in
             the fastest (:mod:`comms.autotune`); ``False``: the cost model's choice is final.
-        autotune_steps: steps per autotune trial (>= 2).
+        autotune_steps: steps each rule runs per interleaved tuning round (>= 2; the first is
+            not counted). Tuning takes at most 40 steps (``state.planner.tuner.max_steps``).
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -127,7 +128,7 @@ class CompressionState:
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
-                 min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 3):
+                 min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 2):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
@@ -283,6 +284,11 @@ class CompressionState:
         rows.append(f"compressor={self.compressor.spec()} iter={self.iter} "
                     f"wire/step={self.wire_bytes_per_step()} dense/step={self.dense_bytes_per_step()}"
                     + (f" nonfinite_buckets={self.nonfinite_buckets}" if self.nonfinite_buckets else ""))
+        tuner = self.planner.tuner if self.planner is not None else None
+        if tuner is not None and tuner.locked:
+            rows.append(f"autotune: locked {tuner.decision!r} after {tuner.tuning_steps} tuning steps, "
+                        f"{tuner.tuning_cost_s * 1e3:.0f} ms beyond the locked plan; "
+                        f"tunings {tuner.tunings}")
         return "\n".join(rows)
 
     # -- checkpointing --------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""The autotuner's decision rules with injected step times (one process, no communication):
+interleaved rounds, clear winners, ties and noise prefer dense, the step budget, the
+watchdog re-tuning on drift, checkpointing."""
+
+import math
+import random
+
+import pytest
+
+from comms.autotune import Autotuner
+
+
+def drive(tuner, times, steps, start=0, agreed=None):
+    """Run ``steps`` steps; ``times(rule, step)`` is the step's duration. Returns the rules."""
+    clock, rules = 0.0, []
+    for step in range(start, start + steps):
+        rule = tuner.begin_step(step, clock, lambda: ["a", "b", "c"],
+                                lambda v: (agreed.append(list(v)) if agreed is not None else None) or v)
+        rules.append(rule)
+        clock += times(rule, step)
+    return rules
+
+
+def test_rounds_are_interleaved_and_a_clear_winner_locks_after_min_rounds():
+    t = Autotuner(steps_per_trial=2, trials=3)
+    agreed = []
+    cost = {"dense": 1.0, "a": 0.5, "b": 0.8, "c": 1.4}
+    rules = drive(t, lambda r, s: cost[r], 30, agreed=agreed)
+    # round 1: every rule for 2 steps, in order; then only the live ones
+    assert rules[:8] == ["dense", "dense", "a", "a", "b", "b", "c", "c"]
+    # b beats dense but not a (ranges apart), c is slower than every dense step: both dropped
+    assert rules[8:20] == ["dense", "dense", "a", "a"] * 3
+    assert t.locked and t.decision == "a" and rules[20:] == ["a"] * 10
+    assert [len(v) for v in agreed] == [8, 4, 4, 4]
+    assert [(r, n) for r, _, n in t.table] == [("dense", 4), ("a", 4), ("b", 1), ("c", 1)]
+    assert t.tuning_steps == 20
+    # the tuning cost is every tuning step's time beyond a's 0.5 s
+    assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:20]) - 20 * 0.5)
+
+
+def test_ties_and_small_gains_lock_dense():
+    for gain in (0.0, 0.02):  # equal, or 2% (< the 3% margin)
+        t = Autotuner(steps_per_trial=2, trials=1)
+        drive(t, lambda r, s: 1.0 if r == "dense" else 1.0 - gain, 40)
+        assert t.locked and t.decision == "dense", (gain, t.table)
+
+
+def test_noise_alone_rarely_compresses_and_the_budget_holds():
+    # three candidates exactly as fast as dense, +-20% step-to-step noise, 100 seeded tunings
+    compressed = 0
+    for seed in range(100):
+        rng = random.Random(seed)
+        t = Autotuner(steps_per_trial=2, trials=3, max_steps=40)
+        rules = drive(t, lambda r, s: 1 + rng.uniform(-0.2, 0.2), 50)
+        assert t.locked and t.tuning_steps <= 40
+        assert rules[t.tuning_steps:].count(t.decision) == 50 - t.tuning_steps
+        compressed += t.decision != "dense"
+    assert compressed <= 4, compressed
+
+
+def test_noisy_but_clear_winner_is_found():
+    rng = random.Random(1)
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: (1.0 if r == "dense" else 0.6) * (1 + rng.uniform(-0.1, 0.1)), 40)
+    assert t.locked and t.decision == "a"
+
+
+def test_watchdog_retunes_when_the_locked_plan_drifts_and_dense_wins():
+    t = Autotuner(steps_per_trial=2, trials=1, watch_every=10)
+    link = {"slow": True}
+
+    def times(rule, step):
+        if step >= 20:  # the link got fast: compression no longer pays
+            link["slow"] = False
+        if rule == "dense":
+            return 1.0 if link["slow"] else 0.3
+        return 0.5
+    rules = drive(t, times, 60)
+    assert "a" in rules[:20] and t.tunings >= 2, (t.tunings, rules)
+    assert t.locked and t.decision == "dense", str(t)
+    assert rules[-10:].count("dense") >= 8  # the lock, but for a watchdog check of a
+
+
+def test_watchdog_keeps_a_lock_that_still_wins():
+    t = Autotuner(steps_per_trial=2, trials=1, watch_every=10)
+    rules = drive(t, lambda r, s: 1.0 if r == "dense" else 0.5, 60)
+    assert t.tunings == 1 and t.decision == "a"
+    checks = [i for i in range(1, 60) if rules[i] == "dense" and rules[i - 1] == "a"]
+    assert checks, "the watchdog re-timed dense"  # and went back to the lock after each check
+    assert all(rules[i + 2] == "a" for i in checks if i + 2 < 60)
+
+
+def test_state_dict_round_trip_and_options():
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: 1.0 if r == "dense" else 0.5, 20)
+    t2 = Autotuner()
+    t2.load_state_dict(t.state_dict())
+    assert t2.locked and t2.decision == "a" and t2.tuning_steps == t.tuning_steps
+    assert "locked 'a'" in str(t2) and math.isfinite(t2.table[0][1])
+    with pytest.raises(ValueError, match="autotune_steps"):
+        Autotuner(steps_per_trial=1)
+    with pytest.raises(ValueError, match="max_steps"):
+        Autotuner(steps_per_trial=4, max_steps=3)
+    with pytest.raises(ValueError, match="drift"):
+        Autotuner(drift=0)
+
+
+def test_plan_reports_model_error_per_tried_rule():
+    import torch
+
+    from comms.planner import Plan, PlanRow
+
+    t = Autotuner()
+    t.load_state_dict({"locked": True, "rule": "allgather",
+                       "table": [["dense", 0.5, 4], ["allgather", 0.497, 4], ["model", 0.499, 4]]})
+    rows = [PlanRow(0, 1000, torch.float32, 4000, "allgather", "cheapest",
+                    {"dense": 0.010, "allgather": 0.004, "two_phase": 0.006}, "two_phase"),
+            PlanRow(1, 10, torch.float32, 40, "dense", "small (< 16384 elements)",
+                    {"dense": 0.001, "allgather": 0.0001}, "dense")]
+    errors = Plan(rows, None, None, t).model_errors()
+    assert errors["allgather"] == (pytest.approx(-0.006), pytest.approx(-0.003))
+    assert errors["model"] == (pytest.approx(-0.004), pytest.approx(-0.001))  # the model's picks
+    assert "allgather predicted -6.0 measured -3.0" in str(Plan(rows, None, None, t))
