@@ -365,6 +365,22 @@ class Compressor:
         """Constructor arguments, for specs, state dicts and the cross-rank config check."""
         return {}
 
+    # -- test matrices ----------------------------------------------------------------
+    # tests/unit/test_compressor_roundtrip.py and tests/dist/algo_ranks.py build their cases
+    # from these over compressors.REGISTRY, so a new compressor is tested by registering it
+    @classmethod
+    def examples(cls) -> list["Compressor"]:
+        """A few small representative configurations (e.g. ``[QSGD(8), QSGD(4), QSGD(2)]``):
+        every test matrix runs each of them, the distributed ones with every algorithm the
+        compressor supports, so keep it short. Default: the default configuration."""
+        return [cls()]
+
+    @classmethod
+    def edge_examples(cls) -> list["Compressor"]:
+        """Extra configurations for the single-process round-trip tests only: settings at the
+        edges of the codec (lossless densities, odd chunk sizes). Default: none."""
+        return []
+
     def spec(self) -> str:
         cfg = self.config()
         if not cfg:

@@ -149,6 +149,10 @@ class PowerSGD(Compressor):
     name = "powersgd"
     families = ("allreduce",)
 
+    @classmethod
+    def examples(cls):
+        return [cls(rank=2)]
+
     def __init__(self, rank: int = 1, warm_start: bool = True, min_compression_rate: float = 2.0):
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be an int, got {rank!r}")

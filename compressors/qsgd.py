@@ -132,6 +132,14 @@ class QSGD(ScaledCodesDecoder):
     families = ("allgather", "two_phase", "shared_scale")  # shared_scale: comms.algorithms.shared_scale
     unbiased = True
 
+    @classmethod
+    def examples(cls):
+        return [cls(8), cls(4), cls(2)]
+
+    @classmethod
+    def edge_examples(cls):  # the fewest bits; a chunk that does not divide the block
+        return [cls(1), cls(4, chunk=7)]
+
     def __init__(self, bits: int = 8, chunk: int = 2048):
         self.bits = check_bits(bits)
         self.chunk = check_chunk(chunk)

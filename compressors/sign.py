@@ -48,6 +48,14 @@ class ScaledSign(ScaledCodesDecoder):
     name = "sign"
     families = ("allgather", "two_phase")
 
+    @classmethod
+    def examples(cls):
+        return [cls()]
+
+    @classmethod
+    def edge_examples(cls):  # a chunk that does not divide the block
+        return [cls(chunk=5)]
+
     # 128: one scale per 128 signs (1.25 bits/element). On the digits MLP (bench/demo.py, 2
     # ranks, 600 steps, SGD momentum 0.9) chunk 64/128/256/512/2048 reached 0.80/1.08/2.2/5.9/50x
     # dense's final loss: coarse scales that straddle layers are what makes sign + EF lag.

@@ -36,6 +36,14 @@ class TopK(Compressor):
     name = "topk"
     families = ("allgather", "two_phase")
 
+    @classmethod
+    def examples(cls):
+        return [cls(0.05)]
+
+    @classmethod
+    def edge_examples(cls):  # lossless at density 1; the sampled threshold
+        return [cls(0.01), cls(0.05, exact=False, sample=0.02), cls(1.0)]
+
     def __init__(self, density: float = 0.01, exact: bool = True, sample: float = 0.01):
         self.density = check_density(density)
         if not isinstance(exact, bool):
