@@ -146,7 +146,7 @@ class ScaledSign(ScaledCodesDecoder):
                         s[ci] = t[lo - b0:hi - b0].mean()
             bb = bits[:L]
             xn = numpy_view(x[b0:b1])
-            if xn is not None:  # numpy's compare is ~7x faster than torch's on CPU
+            if xn is not None:  # numpy's compare is much faster than torch's on CPU
                 np.greater_equal(xn, 0, out=numpy_view(bb))
             else:
                 torch.ge(x[b0:b1], 0, out=bb)

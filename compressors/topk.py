@@ -107,7 +107,7 @@ class TopK(Compressor):
         their ``|x[i]|`` and ``x[i]``.
 
         CPU: block-wise in numpy on the same memory (|x|, the mask and its nonzero stay in
-        cache, and numpy's compare/nonzero are ~7x faster than torch's there; nonzero has to
+        cache, and numpy's compare/nonzero are much faster than torch's there; nonzero has to
         size its output, a host sync that costs nothing on CPU). Values are gathered from the
         cached block rather than from x afterwards (random reads of a 100 MB tensor).
         Elsewhere (and for bfloat16, which numpy lacks): whole-tensor torch ops, one sync.
