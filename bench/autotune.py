@@ -25,13 +25,11 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402  (puts the repository root on sys.path)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
+import harness  # noqa: E402  (puts the repository root first on sys.path)
+from harness import hooks, machine, tables  # noqa: E402
 import ddp_step  # noqa: E402
-
-# ddp_step put bench/ first again; the repository root must win (bench/compressors.py is a
-# script, not the package)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 __all__ = ["configs_for", "rank_main", "main"]
 
@@ -50,13 +48,13 @@ def configs_for(specs) -> list:
     out = []
     for spec in specs:
         comp = compressors.from_spec(spec)
-        short = _common._short(spec, None)
-        out.append((spec, _common.HookConfig("dense", "dense")))
-        out.append((spec, _common.HookConfig(f"auto({short})", "ours", spec, "auto", None)))
+        short = hooks.short_label(spec, None)
+        out.append((spec, hooks.HookConfig("dense", "dense")))
+        out.append((spec, hooks.HookConfig(f"auto({short})", "ours", spec, "auto", None)))
         for name, alg in comms.ALGORITHMS.items():
             if getattr(alg, "hierarchical", False) or not comp.supports(alg.family):
                 continue
-            out.append((spec, _common.HookConfig(f"{short}@{name}", "ours", spec, name, None)))
+            out.append((spec, hooks.HookConfig(f"{short}@{name}", "ours", spec, name, None)))
     return out
 
 
@@ -111,10 +109,10 @@ def rank_main(rank: int, world: int, args):
                 if cfg.algorithm == "auto":
                     logs.setdefault(cfg.name, []).extend([f"(round {rnd})"] + cap.records)
                 if rank == 0:
-                    print(f"#   [{_common._short(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms",
+                    print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms",
                           flush=True)
         for _, cfg in group:
-            row = dict(last[cfg.name], group=_common._short(spec, None))
+            row = dict(last[cfg.name], group=hooks.short_label(spec, None))
             row["step_ms"] = statistics.median(times[cfg.name])
             row["p90_ms"] = max(p90s[cfg.name])
             row["rounds_ms"] = "/".join(f"{t:.0f}" for t in times[cfg.name])
@@ -131,7 +129,7 @@ def rank_main(rank: int, world: int, args):
                 r["best_fixed"] = best["hook"]
     if rank != 0:
         return None
-    table = _common.format_table(rows, COLUMNS)
+    table = tables.format_table(rows, COLUMNS)
     print(table, flush=True)
     summary = [f"{r['hook']}: {r['speedup']:.2f}x of dense, {r['vs_best_fixed']:.2f}x of the best fixed "
                f"choice ({r['best_fixed']})" for r in rows if "best_fixed" in r]
@@ -143,9 +141,9 @@ def rank_main(rank: int, world: int, args):
     print("\n".join(text), flush=True)
     if args.out:
         md = [f"# Autotune bench: {args.model}, {world} ranks, link {args.link}", "", "```", args.command, "```", "",
-              f"Machine: {_common.machine_facts()}.", "", _common.format_table(rows, COLUMNS, markdown=True), "", *summary, "",
+              f"Machine: {machine.machine_facts()}.", "", tables.format_table(rows, COLUMNS, markdown=True), "", *summary, "",
               "```", *text, "```", ""]
-        _common.write_text(args.out + ".md", "\n".join(md))
+        tables.write_text(args.out + ".md", "\n".join(md))
     return rows
 
 
@@ -163,13 +161,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    if args.command is None:
-        args.command = _common.shell_command(argv)
-        argv = [*argv, "--command", args.command]
-    if args.link is None:
-        args.link = args.netsim or "unshaped"
-        argv = [*argv, "--link", args.link]
-    return _common.launch(os.path.abspath(__file__), rank_main, args, argv)
+    return ddp_step.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 
 if __name__ == "__main__":

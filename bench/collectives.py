@@ -34,10 +34,11 @@ import socket
 import sys
 import time
 
-if __package__ in (None, ""):  # run as a script: the project root on the path
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
+import harness  # noqa: E402,F401  (puts the repository root first on sys.path)
 
-import torch
+import torch  # noqa: E402
 
 __all__ = ["main", "parse_size", "split_specs", "HEADER_COLUMNS"]
 
@@ -257,15 +258,16 @@ def _spawned(rank, world, argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = _args(argv)
-    from comms.mpi import mpi_env_detected
+    from comms.launch_env import launch_info, mpi_launched
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    info = launch_info()
+    if info is not None and info.launcher == "torchrun" and "MASTER_ADDR" in os.environ:
         from comms import TorchCommunicator
         from comms.launch import init_from_env
 
         init_from_env("gloo", timeout_s=600)
         run(TorchCommunicator(), args)
-    elif mpi_env_detected():
+    elif mpi_launched():
         if args.backend == "gloo":
             from comms import TorchCommunicator
             from comms.mpi import init_torch_from_mpi

@@ -29,37 +29,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
 import platform
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
+import harness  # noqa: E402  (puts the repository root first on sys.path)
+from harness.locks import BENCH_LOCK, file_lock  # noqa: E402
+from harness.machine import cpu_model  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from compressors import QSGD, Context, ScaledSign, TopK  # noqa: E402
 
-BENCH_LOCK = "/tmp/bench.lock"  # the lock the other benches take: one bench at a time
-
-
-@contextlib.contextmanager
-def bench_lock(path: str = BENCH_LOCK):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"# waiting for {path}", file=sys.stderr, flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+ROOT = harness.ROOT
 
 
 def naive_q8(x: torch.Tensor):
@@ -136,15 +123,8 @@ def measure(n: int, reps: int, only: set | None = None):
 
 
 def facts() -> list[str]:
-    cpu = platform.processor() or "cpu"
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
     return [
-        f"CPU: {cpu}, nproc {os.cpu_count()}, torch {torch.__version__}, numpy {np.__version__}, "
+        f"CPU: {cpu_model()}, nproc {os.cpu_count()}, torch {torch.__version__}, numpy {np.__version__}, "
         f"Python {platform.python_version()}",
         f"torch threads {torch.get_num_threads()} (set_num_threads(1)); "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}, "
@@ -194,7 +174,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     n = int(args.n)
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
-    with contextlib.nullcontext() if args.no_lock else bench_lock():
+    with contextlib.nullcontext() if args.no_lock else file_lock(BENCH_LOCK):
         load0 = os.getloadavg()[0]
         t0 = time.time()
         rows = measure(n, args.reps, only)

@@ -29,9 +29,10 @@ import os
 import sys
 import sysconfig
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for _common; last, so that
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
-import _common  # noqa: E402  (puts the repository root on sys.path)
+import harness  # noqa: E402  (puts the repository root first on sys.path)
+from harness import hooks, launching, machine, tables  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -170,7 +171,7 @@ def train(task, cfg, args, rank: int, world: int) -> list[tuple[int, float]]:
     steps = steps_for(task, args)
     model = task.model()
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
-    state = _common.attach_hook(ddp, cfg, start_iter=args.start_iter)
+    state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter)
     opt = task.optimizer(ddp.parameters())
     curve = [(0, task.evaluate(model))]
     for step in range(1, steps + 1):
@@ -186,8 +187,8 @@ def train(task, cfg, args, rank: int, world: int) -> list[tuple[int, float]]:
 
 
 def rank_main(rank: int, world: int, args):
-    configs, skipped = _common.hook_configs()
-    configs = _common.filter_configs(configs, args.hooks)
+    configs, skipped = hooks.hook_configs()
+    configs = hooks.filter_configs(configs, args.hooks)
     if rank == 0:
         print(f"# convergence: tasks={args.tasks} world={world} steps={args.steps or 'task default'} "
               f"eval every {args.eval_every}, final = mean of last {args.tail} evals", flush=True)
@@ -197,7 +198,7 @@ def rank_main(rank: int, world: int, args):
     for tname in args.tasks.split(","):
         task = TASKS[tname](args)
         res = {}
-        it = _common.progress(configs, total=len(configs), desc=tname,
+        it = tables.progress(configs, total=len(configs), desc=tname,
                               enable=rank == 0 and args.progress)
         for cfg in it:
             res[cfg.name] = train(task, cfg, args, rank, world)
@@ -212,7 +213,7 @@ def rank_main(rank: int, world: int, args):
     if rank != 0:
         return None
     cols = ["task", "hook", "final_loss", "ratio", "target", "ok"]
-    print(_common.format_table(rows, cols), flush=True)
+    print(tables.format_table(rows, cols), flush=True)
     if args.out:
         _write(args, rows, curves, cols, skipped, world,
                {t: steps_for(TASKS[t], args) for t in args.tasks.split(",")})
@@ -226,20 +227,20 @@ def _final(curve, tail: int) -> float:
 
 def _write(args, rows, curves, cols, skipped, world, steps) -> None:
     out = args.out
-    _common.write_csv(out + ".csv", rows, cols)
-    _common.write_csv(out + "_curves.csv", curves, ["task", "hook", "step", "loss"])
+    tables.write_csv(out + ".csv", rows, cols)
+    tables.write_csv(out + "_curves.csv", curves, ["task", "hook", "step", "loss"])
     pngs = _plot(curves, out)
     md = [f"# Convergence: final loss against dense allreduce ({world} gloo ranks)", "", "```",
           args.command, "```", "",
-          f"Machine: {_common.machine_facts()}. Steps (a fixed count per task, the same for "
+          f"Machine: {machine.machine_facts()}. Steps (a fixed count per task, the same for "
           f"every hook): {', '.join(f'{t} {n}' for t, n in steps.items())}; fixed seeds, the same data "
           f"order for every hook; loss evaluated every {args.eval_every} steps (digits: the whole "
           f"training split; charlm: 64 held-out sequences of the stdlib's source); final = mean of "
           f"the last {args.tail} evaluations. ratio = final / dense final; target from issue 7.", ""]
     md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
-    md.append(_common.format_table(rows, cols, markdown=True))
+    md.append(tables.format_table(rows, cols, markdown=True))
     md += [""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs]
-    _common.write_text(out + ".md", "\n".join(md) + "\n")
+    tables.write_text(out + ".md", "\n".join(md) + "\n")
 
 
 def _plot(curves, out) -> list[str]:
@@ -250,10 +251,10 @@ def _plot(curves, out) -> list[str]:
 
     paths = []
     for task in dict.fromkeys(c["task"] for c in curves):
-        hooks = list(dict.fromkeys(c["hook"] for c in curves if c["task"] == task))
+        hook_names = list(dict.fromkeys(c["hook"] for c in curves if c["task"] == task))
         fig, ax = plt.subplots(figsize=(9, 5.5))
         cmap = plt.get_cmap("tab20")
-        for i, h in enumerate(hooks):
+        for i, h in enumerate(hook_names):
             pts = [(c["step"], c["loss"]) for c in curves if c["task"] == task and c["hook"] == h]
             ax.plot(*zip(*pts), label=h, color="black" if h == "dense" else cmap(i % 20),
                     linewidth=2.2 if h == "dense" else 1.1,
@@ -275,7 +276,7 @@ def _plot(curves, out) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common.add_launch_args(p)
+    launching.add_launch_args(p)
     p.add_argument("--tasks", default="digits,charlm", help="comma-separated: digits, charlm")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per hook (default: per task, digits 1000, charlm 300)")
@@ -287,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=64.0,
                    help="one bucket for these models (torch powerSGD_hook needs that on gloo)")
     p.add_argument("--hooks", default=None, help="comma-separated hook names or substrings")
-    p.add_argument("--out", default=os.path.join(_common.RESULTS, "convergence"),
+    p.add_argument("--out", default=os.path.join(harness.RESULTS, "convergence"),
                    help="write OUT.md, OUT.csv, OUT_curves.csv, OUT_<task>.png ('' for none)")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -303,9 +304,9 @@ def main(argv: list[str] | None = None):
     if (args.steps is not None and args.steps < 1) or args.eval_every < 1 or args.tail < 1:
         raise SystemExit("--steps, --eval-every and --tail must be >= 1")
     if args.command is None:
-        args.command = _common.shell_command(argv)
+        args.command = launching.shell_command(argv)
         argv = [*argv, "--command", args.command]
-    return _common.launch(os.path.abspath(__file__), rank_main, args, argv)
+    return launching.launch(os.path.abspath(__file__), rank_main, args, argv)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ import statistics
 import sys
 import time
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for _common; last, so that
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
-import _common  # noqa: E402  (puts the repository root on sys.path)
+import harness  # noqa: E402  (puts the repository root first on sys.path)
+from harness import hooks, launching, machine, tables, wire  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -159,7 +160,7 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     if cfg.kind == "torch-powersgd":  # torch's powerSGD_hook fails on gloo with > 1 bucket
         cap = max(cap, args.one_bucket_mb)
     ddp = DDP(model, bucket_cap_mb=cap)
-    state = _common.attach_hook(ddp, cfg, start_iter=args.start_iter)
+    state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     warmup = max(args.warmup, args.start_iter + 2)  # the first compressed steps allocate buffers
     times = []
@@ -189,16 +190,16 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     params = [p for p in model.parameters() if p.requires_grad]
-    wire = _common.config_wire_bytes(cfg, state, params, world)
+    wire_b = wire.config_wire_bytes(cfg, state, params, world)
     ts = sorted(t.tolist())
     sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
     numel = sum(p.numel() for p in params)
     row = {"hook": cfg.name,
-           "algorithm": _common.config_algorithm(cfg, state, _common.dense_wire_bytes(numel, world)),
+           "algorithm": wire.config_algorithm(cfg, state, wire.dense_wire_bytes(numel, world)),
            "buckets": len([b for b in sizes.split(",") if b.strip()]) or None,
            "step_ms": 1e3 * statistics.median(ts),
            "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
-           "wire_bytes": wire, "wire_MB": wire / 1e6 if wire else None,
+           "wire_bytes": wire_b, "wire_MB": wire_b / 1e6 if wire_b else None,
            "loss": float(loss.detach())}
     if args.codec:
         row["codec_ms"] = _codec_ms(cfg, numel)
@@ -212,8 +213,8 @@ def _one_bucket_mb(args) -> float:
 
 
 def rank_main(rank: int, world: int, args) -> list[dict] | None:
-    configs, skipped = _common.hook_configs()
-    configs = _common.filter_configs(configs, args.hooks)
+    configs, skipped = hooks.hook_configs()
+    configs = hooks.filter_configs(configs, args.hooks)
     model_mb = _one_bucket_mb(args)
     args.one_bucket_mb = math.ceil(model_mb * 1.1) + 1
     if args.bucket_cap_mb is None:
@@ -228,7 +229,7 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
             print(f"# skipped {what}: {why}", flush=True)
     rows = []
     profiled = set((args.profile or "").split(","))
-    it = _common.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
+    it = tables.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
     for cfg in it:
         rows.append(measure(cfg, args, rank, world, profile=cfg.name in profiled))
     if args.repeat_dense and len(configs) > 1:  # drift check: the shared cores change load
@@ -242,14 +243,14 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
     if rank != 0:
         return None
     cols = COLUMNS if args.codec else [c for c in COLUMNS if c != "codec_ms"]
-    print(_common.format_table(rows, cols), flush=True)
+    print(tables.format_table(rows, cols), flush=True)
     meta = {"model": args.model, "params": numel, "world": world, "batch": args.batch,
             "bucket_cap_mb": args.bucket_cap_mb, "link": args.link, "steps": args.steps,
-            "skipped": skipped, "machine": _common.machine_facts(), "command": args.command}
+            "skipped": skipped, "machine": machine.machine_facts(), "command": args.command}
     if args.json:
-        _common.write_text(args.json, json.dumps({"meta": meta, "rows": rows}, indent=1))
+        tables.write_text(args.json, json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.out:
-        _common.write_csv(args.out + ".csv", rows, cols + ["wire_bytes"])
+        tables.write_csv(args.out + ".csv", rows, cols + ["wire_bytes"])
         md = [f"# DDP step time: {args.model}, {world} ranks, link {args.link}", "",
               "```", args.command, "```", "",
               f"Machine: {meta['machine']}. Model {numel} parameters, batch {args.batch} per rank, "
@@ -258,19 +259,19 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
               "ranks; wire bytes are what each rank sends per step (ring allreduce counts "
               "2(n-1)/n of the buffer).", ""]
         md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
-        md.append(_common.format_table(rows, cols, markdown=True))
+        md.append(tables.format_table(rows, cols, markdown=True))
         for name, ms, table in PROFILES:
             md += ["", f"Profile of one measured step of `{name}` ({ms:.0f} ms under the profiler; "
                    "rank 0; self CPU time; the hook's wait for the collective shows as autograd "
                    "engine time):", "", "```", table.strip(), "```"]
-        _common.write_text(args.out + ".md", "\n".join(md) + "\n")
+        tables.write_text(args.out + ".md", "\n".join(md) + "\n")
     return rows
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common.add_launch_args(p)
+    launching.add_launch_args(p)
     p.add_argument("--model", choices=sorted(MODELS), default="mlp")
     p.add_argument("--width", type=int, default=None, help="model width (mlp 2048, conv 64, transformer 256)")
     p.add_argument("--depth", type=int, default=None, help="layers (mlp 6, conv 3, transformer 4)")
@@ -304,19 +305,26 @@ def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     if args.list:
-        configs, skipped = _common.hook_configs()
+        configs, skipped = hooks.hook_configs()
         for c in configs:
             print(f"{c.name:32} {c.kind:15} {c.spec or ''} {c.algorithm or ''}")
         for what, why in skipped:
             print(f"# skipped {what}: {why}")
         return None
+    return launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
+
+
+def launch_recorded(script: str, body, args, argv: list[str]):
+    """:func:`harness.launching.launch` with the command line and the link rate recorded in
+    ``args`` (and passed on to netsim children, which cannot see the parent's argv), for the
+    results files of this bench and of bench/autotune.py, which shares its parser."""
     if args.command is None:
-        args.command = _common.shell_command(argv)
+        args.command = launching.shell_command(argv)
         argv = [*argv, "--command", args.command]
     if args.link is None:
         args.link = args.netsim or "unshaped"
         argv = [*argv, "--link", args.link]
-    return _common.launch(os.path.abspath(__file__), rank_main, args, argv)
+    return launching.launch(script, body, args, argv)
 
 
 if __name__ == "__main__":

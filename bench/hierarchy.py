@@ -12,7 +12,7 @@ Jobs (``--jobs``, comma separated, all run in the same rank processes):
 * ``coll``     nccl-tests-style table: dense / flat compressed / hierarchical compressed, ``--size``;
 * ``ddp``      DDP step time: dense allreduce, fixed choices, ``algorithm="auto"``.
 
-Usage (root; holds /tmp/netsim.lock and /tmp/bench.lock)::
+Usage (root; holds /tmp/netsim.lock and, unless ``--no-lock``, /tmp/bench.lock)::
 
     .venv/bin/python bench/hierarchy.py --rate 1gbit --jobs coll,ddp --size 100e6
 
@@ -25,114 +25,58 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-__all__ = ["run_netsim", "find_netsim", "netsim_unavailable", "NETSIM_LOCK"]
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
+import harness  # noqa: E402  (puts the repository root first on sys.path)
+from harness import locks  # noqa: E402
+from harness.netsim import NetsimRank, rendezvous_port, run_on_hosts  # noqa: E402
+
+__all__ = ["run_netsim", "main"]
 
 logger = logging.getLogger(__name__)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NETSIM_LOCK = "/tmp/netsim.lock"
-BENCH_LOCK = "/tmp/bench.lock"
-
-
-def find_netsim() -> str | None:
-    """``../shared/tools/netsim`` next to the repository if present, else ``bench/netsim``."""
-    for p in (os.path.join(os.path.dirname(ROOT), "shared", "tools", "netsim"),
-              os.path.join(ROOT, "bench", "netsim")):
-        if os.path.isfile(p) and os.access(p, os.X_OK):
-            return p
-    return None
-
-
-def netsim_unavailable() -> str | None:
-    """Why netsim cannot run here, or ``None``."""
-    if os.geteuid() != 0:
-        return "netsim needs root"
-    if find_netsim() is None:
-        return "netsim script not found (../shared/tools/netsim or bench/netsim)"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "netsim needs iproute2 (ip, tc)"
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True)
-    if r.returncode != 0:
-        return "ip netns is not usable here"
-    return None
-
-
-@contextlib.contextmanager
-def _flock(path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run_netsim(jobs, rate="1gbit", hosts=2, per_host=2, timeout=300.0, extra=(), lock=True):
     """Run ``jobs`` on ``hosts`` x ``per_host`` ranks over netsim; per-rank result dicts.
 
-    Holds ``/tmp/netsim.lock`` from ``netsim up`` to ``netsim down``; every rank is killed
-    and the hosts torn down on failure or timeout (``RuntimeError``).
+    Ranks are placed host-major (rank ``k * per_host + j`` is local rank ``j`` of host ``k``)
+    and told so through torchrun's variables; ``COMMPRESS_NODE=netsim<k>`` names their node.
+    ``lock``: take the netsim lock (see :func:`harness.netsim.run_on_hosts`, which also kills
+    every rank and tears the hosts down on failure or timeout: ``RuntimeError``).
     """
-    why = netsim_unavailable()
-    if why:
-        raise RuntimeError(why)
-    netsim = find_netsim()
     world = hosts * per_host
-    port = 29000 + os.getpid() % 900
-    procs = []
+    port = rendezvous_port()
     out_dir = tempfile.mkdtemp(prefix="hierarchy-")
-    ctx = _flock(NETSIM_LOCK) if lock else contextlib.nullcontext()
-    with ctx:
-        subprocess.run([netsim, "up", str(hosts), rate], check=True, stdout=subprocess.DEVNULL)
-        try:
-            for k in range(hosts):
-                for j in range(per_host):
-                    r = k * per_host + j
-                    env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(j),
-                               LOCAL_WORLD_SIZE=str(per_host), MASTER_PORT=str(port),
-                               COMMPRESS_NODE=f"netsim{k}", PYTHONPATH=ROOT)
-                    cmd = [netsim, "exec", str(k), "bash", "-c", 'MASTER_ADDR=$NETSIM_MASTER exec "$@"', "_",
-                           sys.executable, os.path.abspath(__file__), "--worker", "--jobs", ",".join(jobs),
-                           "--out", os.path.join(out_dir, f"rank{r}.json"), *extra]
-                    procs.append(subprocess.Popen(cmd, env=env, start_new_session=True,
-                                                  stdout=sys.stderr if r == 0 else subprocess.DEVNULL))
-            deadline = time.monotonic() + timeout
-            while True:
-                codes = [p.poll() for p in procs]
-                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
-                    raise RuntimeError(f"netsim rank(s) failed (rank, exit code): {bad}")
-                if all(c == 0 for c in codes):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"netsim run timed out after {timeout:.0f}s")
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(timeout=10)
-            subprocess.run([netsim, "down"], check=False, stdout=subprocess.DEVNULL)
-    results = []
-    for r in range(world):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            results.append(json.load(f))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return results
+    ranks = []
+    for k in range(hosts):
+        for j in range(per_host):
+            r = k * per_host + j
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(j),
+                       LOCAL_WORLD_SIZE=str(per_host), MASTER_PORT=str(port),
+                       COMMPRESS_NODE=f"netsim{k}", PYTHONPATH=harness.ROOT)
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", "--jobs", ",".join(jobs),
+                    "--out", os.path.join(out_dir, f"rank{r}.json"), *extra]
+            ranks.append(NetsimRank(k, argv, env, sys.stderr if r == 0 else subprocess.DEVNULL))
+    try:
+        run_on_hosts(hosts, rate, ranks, timeout, lock=lock)
+        results = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                results.append(json.load(f))
+        return results
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 # -- rank side ---------------------------------------------------------------------------
@@ -366,6 +310,10 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=1500.0)
     p.add_argument("--pg-timeout", type=float, default=600.0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-lock", action="store_true",
+                   help=f"do not serialize on {locks.BENCH_LOCK} (the netsim lock is always taken)")
+    # every rank's result dicts as one JSON list (tests/netsim checks them across ranks)
+    p.add_argument("--json-ranks", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -374,8 +322,11 @@ def main(argv=None):
     extra = ["--size", args.size, "--reps", str(args.reps), "--steps", str(args.steps),
              "--ddp-params", args.ddp_params, "--bucket-mb", str(args.bucket_mb),
              "--pg-timeout", str(args.pg_timeout)]
-    with _flock(BENCH_LOCK):
+    with contextlib.nullcontext() if args.no_lock else locks.file_lock(locks.BENCH_LOCK, "(bench)"):
         res = run_netsim(args.jobs.split(","), args.rate, args.hosts, args.per_host, args.timeout, extra)
+    if args.json_ranks:
+        with open(args.json_ranks, "w") as f:
+            json.dump(res, f)
     if args.json:
         print(json.dumps(res[0]))
     else:

@@ -17,12 +17,13 @@ import logging
 import os
 import sys
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
+import harness  # noqa: E402,F401  (puts the repository root first on sys.path)
 
-import torch
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 __all__ = ["train_one"]
 

@@ -21,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for _common; last, so that
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
-import _common  # noqa: E402
+import harness  # noqa: E402  (puts the repository root first on sys.path)
+from harness import launching, locks, tables  # noqa: E402
 
 __all__ = ["rate_gbps", "run_rate", "main"]
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("--steps", type=int, default=5, help="measured steps per hook and rate")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--hooks", default=None, help="comma-separated hook names or substrings")
-    p.add_argument("--out", default=os.path.join(_common.RESULTS, "sweep"),
+    p.add_argument("--out", default=os.path.join(harness.RESULTS, "sweep"),
                    help="write OUT.md, OUT.csv and OUT.png")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate")
     p.add_argument("--no-lock", action="store_true", help="do not hold /tmp/bench.lock")
@@ -134,14 +135,14 @@ def main(argv: list[str] | None = None):
             rate_gbps(r)  # bad rates fail before anything runs
     labels = [r if r is not None else "unshaped" for r in runs]
     gbps = [rate_gbps(r) if r is not None else None for r in runs]
-    command = _common.shell_command(argv)
+    command = launching.shell_command(argv)
 
     import contextlib
 
-    lock = contextlib.nullcontext() if args.no_lock else _common.file_lock(_common.BENCH_LOCK, "(bench)")
+    lock = contextlib.nullcontext() if args.no_lock else locks.file_lock(locks.BENCH_LOCK, "(bench)")
     results = {}
     with lock:
-        for rate, label in _common.progress(list(zip(runs, labels)), total=len(runs), desc="rates"):
+        for rate, label in tables.progress(list(zip(runs, labels)), total=len(runs), desc="rates"):
             results[label] = run_rate(rate, args)
     meta = next(iter(results.values()))["meta"]
     table: dict[str, dict] = {}
@@ -161,9 +162,9 @@ def main(argv: list[str] | None = None):
           f"batch={meta['batch']}/rank; median step ms at each link rate, then speedup over dense")
     for what, why in meta.get("skipped", []):
         print(f"# skipped {what}: {why}")
-    print(_common.format_table(rows, cols), flush=True)
+    print(tables.format_table(rows, cols), flush=True)
     if args.out:
-        _common.write_csv(args.out + ".csv", rows, cols)
+        tables.write_csv(args.out + ".csv", rows, cols)
         title = (f"DDP step time vs link rate: {meta['model']} ({meta['params'] / 1e6:.1f}M params), "
                  f"{meta['world']} ranks, batch {meta['batch']}/rank")
         png = _plot(table, labels, gbps, args.out, title) if any(g is not None for g in gbps) else None
@@ -177,10 +178,10 @@ def main(argv: list[str] | None = None):
         md += ["Machine at the end of each rate: " + "; ".join(
             f"{label}: {res['meta']['machine'].rsplit(', ', 1)[-1]}" for label, res in results.items()), ""]
         md += [f"Skipped: {what} — {why}" for what, why in meta.get("skipped", [])] + [""]
-        md.append(_common.format_table(rows, cols, markdown=True))
+        md.append(tables.format_table(rows, cols, markdown=True))
         if png:
             md += ["", f"![{os.path.basename(png)}]({os.path.basename(png)})"]
-        _common.write_text(args.out + ".md", "\n".join(md) + "\n")
+        tables.write_text(args.out + ".md", "\n".join(md) + "\n")
     return rows
 
 

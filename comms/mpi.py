@@ -50,6 +50,7 @@ import weakref
 import torch
 
 from .communicator import Communicator
+from .launch_env import mpi_launched
 
 __all__ = ["MPICommunicator", "cuda_aware", "init_torch_from_mpi", "mpi_env_detected"]
 
@@ -64,10 +65,8 @@ _UPCAST_REDUCE = (torch.float16, torch.bfloat16)
 
 
 def mpi_env_detected() -> bool:
-    """True when this process was started by mpirun/mpiexec (Open MPI, MPICH/Hydra, PMI, Slurm PMI)."""
-    keys = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MPI_LOCALNRANKS",
-            "HYDRA_CONTROL_FD")
-    return any(k in os.environ for k in keys)
+    """True when this process was started by mpirun/mpiexec (see :func:`comms.launch_env.mpi_launched`)."""
+    return mpi_launched()
 
 
 def cuda_aware() -> bool:

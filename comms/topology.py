@@ -1,8 +1,7 @@
 """Topology discovery: which ranks share a node, and the intra-/inter-node groups.
 
-Rank, world size, local rank and local size come from the launcher's environment
-(:func:`launch_info`): torchrun, Open MPI, MPICH / Intel MPI (PMI), Slurm, or — when none is
-set — mpi4py's ``Split_type(COMM_TYPE_SHARED)``. Node *identity*, which is what the groups
+What the launcher says (rank, local rank and size) comes from :mod:`comms.launch_env` and is
+only cross-checked here: node *identity*, which is what the groups
 are built from, comes from hostnames allgathered over the process group (bytes in a uint8
 tensor), or from an explicit override: the ``node=`` argument or ``COMMPRESS_NODE``
 (clusters whose hostnames are unreliable, containers, tests faking several nodes on one
@@ -27,143 +26,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .communicator import Communicator, TorchCommunicator
+from .launch_env import LaunchInfo, launch_info
 
-__all__ = ["LaunchInfo", "launch_info", "mpi_launch_info", "parse_slurm_tasks_per_node", "tiered_communicator",
-           "Topology", "TieredCommunicator", "NODE_ENV", "NAME_BYTES"]
+__all__ = ["Topology", "TieredCommunicator", "tiered_communicator", "NODE_ENV", "NAME_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 NODE_ENV = "COMMPRESS_NODE"
 NAME_BYTES = 256  # fixed width of an allgathered node name
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """What the launcher says about this process (``None``: the launcher did not say)."""
-
-    launcher: str
-    rank: int
-    world_size: int
-    local_rank: int | None
-    local_size: int | None
-    node_index: int | None = None
-
-
-def _int(env: Mapping[str, str], key: str) -> int | None:
-    v = env.get(key)
-    if v is None or v == "":
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {key}={v!r} is not an integer") from None
-
-
-def parse_slurm_tasks_per_node(spec: str) -> list[int]:
-    """Expand Slurm's compressed ``SLURM_TASKS_PER_NODE`` (``"2(x3),1"`` -> ``[2, 2, 2, 1]``)."""
-    out: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
-            raise ValueError(f"cannot parse SLURM_TASKS_PER_NODE={spec!r}")
-        out += [int(m.group(1))] * int(m.group(2) or 1)
-    return out
-
-
-def _torchrun(env):
-    rank, lr = _int(env, "RANK"), _int(env, "LOCAL_RANK")
-    if rank is None or lr is None:
-        return None
-    return LaunchInfo("torchrun", rank, _int(env, "WORLD_SIZE") or 1, lr, _int(env, "LOCAL_WORLD_SIZE"),
-                      _int(env, "GROUP_RANK"))
-
-
-def _openmpi(env):
-    rank = _int(env, "OMPI_COMM_WORLD_RANK")
-    if rank is None:
-        return None
-    return LaunchInfo("openmpi", rank, _int(env, "OMPI_COMM_WORLD_SIZE") or 1,
-                      _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                      _int(env, "OMPI_COMM_WORLD_NODE_RANK"))
-
-
-def _pmi(env):
-    rank = _int(env, "PMI_RANK")
-    if rank is None:
-        return None
-    return LaunchInfo("mpich", rank, _int(env, "PMI_SIZE") or 1, _int(env, "MPI_LOCALRANKID"),
-                      _int(env, "MPI_LOCALNRANKS"))
-
-
-def _slurm(env):
-    rank = _int(env, "SLURM_PROCID")
-    if rank is None:
-        return None
-    node = _int(env, "SLURM_NODEID")
-    local_size = None
-    tpn = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE")
-    if tpn and node is not None:
-        counts = parse_slurm_tasks_per_node(tpn)
-        if node < len(counts):
-            local_size = counts[node]
-    if local_size is None:
-        local_size = _int(env, "SLURM_NTASKS_PER_NODE")
-    return LaunchInfo("slurm", rank, _int(env, "SLURM_NTASKS") or _int(env, "SLURM_NPROCS") or 1,
-                      _int(env, "SLURM_LOCALID"), local_size, node)
-
-
-# checked in order: torchrun sets RANK inside an MPI/Slurm allocation too, and wins there
-_LAUNCHERS = {"torchrun": _torchrun, "openmpi": _openmpi, "mpich": _pmi, "slurm": _slurm}
-
-
-def launch_info(env: Mapping[str, str] | None = None, *, mpi_comm=None) -> LaunchInfo | None:
-    """Rank, world, local rank and local size from the launcher's environment.
-
-    Args:
-        env: the environment to read (default ``os.environ``); tests pass fakes.
-        mpi_comm: an mpi4py communicator to ask when no launcher variable is set.
-
-    Returns:
-        A :class:`LaunchInfo`, or ``None`` when nothing identifies the process.
-
-    Raises:
-        ValueError: a launcher variable is set but is not an integer.
-
-    Example::
-
-        >>> launch_info({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
-        ...              "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
-        LaunchInfo(launcher='openmpi', rank=2, world_size=4, local_rank=1, local_size=2, node_index=None)
-    """
-    env = os.environ if env is None else env
-    for parse in _LAUNCHERS.values():
-        info = parse(env)
-        if info is not None:
-            return info
-    if mpi_comm is not None:
-        return mpi_launch_info(mpi_comm)
-    return None
-
-
-def mpi_launch_info(mpi_comm) -> LaunchInfo:
-    """Local rank and size from ``mpi_comm.Split_type(COMM_TYPE_SHARED)`` (collective)."""
-    from mpi4py import MPI  # lazily: MPI is optional
-
-    shared = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-    try:
-        return LaunchInfo("mpi4py", mpi_comm.Get_rank(), mpi_comm.Get_size(), shared.Get_rank(),
-                          shared.Get_size())
-    finally:
-        shared.Free()
 
 
 def _encode_name(name: str) -> torch.Tensor:

@@ -100,9 +100,9 @@ def check_chunk(chunk) -> int:
 def block_elems(device: torch.device) -> int:
     """Elements per block of the blocked fast paths (a power of two).
 
-    CPU: 512K elements (2 MiB per fp32 scratch buffer, a few of them: L3-resident). Measured on
-    a 2-core EPYC (bench/results/compressors.md): each torch op costs a few microseconds to
-    dispatch, which dominates at 64K-element blocks; 256K-1M were within noise of each other.
+    CPU: 512K elements (2 MiB per fp32 scratch buffer, a few of them: L3-resident); blocks
+    must be large enough that torch's per-op dispatch cost does not dominate (the measurement
+    behind the choice: bench/results/compressors.md, "Measurements behind compressors/").
     Elsewhere (CUDA) blocks are larger still, so that few kernels are launched.
     """
     return 1 << 19 if torch.device(device).type == "cpu" else 1 << 22
@@ -116,9 +116,9 @@ def fresh_empty(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A new, uninitialised 1-D tensor that nothing else references (payloads, outputs).
 
     On Linux CPU, tensors of 2 MB and more come from their own anonymous mmap advised for
-    transparent huge pages (freed with the tensor): the first touch of a fresh 25 MB payload
-    then costs ~3 ms of page faults instead of ~10 ms with 4 KB pages (100 MB: ~20 ms
-    instead of ~70 ms, measured under load on the 2-core dev box). Elsewhere ``torch.empty``.
+    transparent huge pages (freed with the tensor), so that the first touch of a fresh payload
+    takes a fraction of the page faults of 4 KB pages (figures: bench/results/compressors.md).
+    Elsewhere ``torch.empty``.
     """
     nbytes = n * dtype.itemsize
     if (_MADV_HUGEPAGE is None or nbytes < _HUGE_MIN_BYTES
@@ -146,8 +146,8 @@ class PayloadPool:
     """Payload tensors that are reused only once nobody references them any more.
 
     ``compress`` returns fresh tensors (the hook may still be sending the previous step's
-    payload while the next one is built). A fresh 25 MB payload costs page faults on first
-    touch (~3 ms even with huge pages), so this pool keeps a private alias of each large
+    payload while the next one is built). A fresh large payload costs page faults on first
+    touch, even with huge pages, so this pool keeps a private alias of each large
     payload it hands out and gives the memory out again only when that alias is the last
     reference to its storage (torch's storage use count: every tensor, view, ``.numpy()``
     array, DLPack export and gloo/NCCL work object holding the payload counts). To the caller
@@ -192,8 +192,8 @@ _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int32, torch
 
 def numpy_view(t: torch.Tensor):
     """A numpy array sharing ``t``'s memory when ``t`` is a contiguous CPU tensor of a dtype
-    numpy has (not bfloat16), else None. Some CPU ops are much cheaper in numpy on the same
-    memory (e.g. on 512K floats: ``>=`` 1.4 vs 10.7 ms per 25M, ``nonzero`` 3.3 vs 24 ms)."""
+    numpy has (not bfloat16), else None. Some CPU ops (``>=``, ``nonzero``) are much cheaper
+    in numpy on the same memory (figures: bench/results/compressors.md)."""
     if t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES or not t.is_contiguous():
         return None
     return t.detach().numpy()
@@ -316,8 +316,8 @@ class Compressor:
 
         Same bits as that expression (``out`` may have another dtype than ``ctx.dtype``: the
         decoded values are rounded to ``ctx.dtype`` first). Returns ``out``. Compressors with a
-        blocked fast path override it; a fresh 100 MB result costs ~40 ms of page faults on
-        CPU (its first touch page-faults), so hot paths should decode into a reused buffer.
+        blocked fast path override it; a fresh result page-faults on its first touch on CPU,
+        so hot paths should decode into a reused buffer.
         """
         return out.copy_(self.decompress(payload, ctx))
 
@@ -372,6 +372,22 @@ class Compressor:
     def config(self) -> dict:
         """Constructor arguments, for specs, state dicts and the cross-rank config check."""
         return {}
+
+    # -- test matrices ----------------------------------------------------------------
+    # tests/unit/test_compressor_roundtrip.py and tests/dist/algo_ranks.py build their cases
+    # from these over compressors.REGISTRY, so a new compressor is tested by registering it
+    @classmethod
+    def examples(cls) -> list["Compressor"]:
+        """A few small representative configurations (e.g. ``[QSGD(8), QSGD(4), QSGD(2)]``):
+        every test matrix runs each of them, the distributed ones with every algorithm the
+        compressor supports, so keep it short. Default: the default configuration."""
+        return [cls()]
+
+    @classmethod
+    def edge_examples(cls) -> list["Compressor"]:
+        """Extra configurations for the single-process round-trip tests only: settings at the
+        edges of the codec (lossless densities, odd chunk sizes). Default: none."""
+        return []
 
     def spec(self) -> str:
         cfg = self.config()

@@ -19,4 +19,8 @@ class BF16(Cast):
     """bf16 on the wire (2 bytes per element); works on gloo, unlike torch's bf16 hook."""
 
     name = "bf16"
+
+    @classmethod
+    def examples(cls):
+        return [cls()]
     wire_dtype = torch.bfloat16

@@ -19,4 +19,8 @@ class FP16(Cast):
     """fp16 on the wire (2 bytes per element); values beyond ±65504 overflow to inf."""
 
     name = "fp16"
+
+    @classmethod
+    def examples(cls):
+        return [cls()]
     wire_dtype = torch.float16

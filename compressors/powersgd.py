@@ -152,6 +152,10 @@ class PowerSGD(Compressor):
     families = ("allreduce",)
     allreduce_rounds = 2  # the power-iteration protocol: first_round / second_round / decode_round
 
+    @classmethod
+    def examples(cls):
+        return [cls(rank=2)]
+
     def __init__(self, rank: int = 1, warm_start: bool = True, min_compression_rate: float = 2.0):
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be an int, got {rank!r}")

@@ -92,9 +92,10 @@ def chunk_absmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
 def _to_codes(t: torch.Tensor, h: torch.Tensor, codes: torch.Tensor) -> None:
     """uint8 ``codes = t`` for fp32 ``t`` already clamped to [0, M] (or NaN -> 0).
 
-    Truncation equals floor there. torch's fp32 -> uint8 copy is slow on CPU (13 ms per 25M);
-    numpy's cast is 2 ms and torch's fp32 -> int32 -> uint8 4 ms; all give 0 for NaN
-    (checked at import; otherwise the torch route is used).
+    Truncation equals floor there. torch's fp32 -> uint8 copy is slow on CPU, so numpy's cast
+    is used (torch's fp32 -> int32 -> uint8 where numpy cannot; figures in
+    bench/results/compressors.md); all give 0 for NaN (checked at import; otherwise the torch
+    route is used).
     """
     if _NP_CAST_OK and t.device.type == "cpu":
         with np.errstate(invalid="ignore"):
@@ -131,6 +132,14 @@ class QSGD(ScaledCodesDecoder):
     name = "qsgd"
     families = ("allgather", "two_phase", "shared_scale")  # shared_scale: comms.algorithms.shared_scale
     unbiased = True
+
+    @classmethod
+    def examples(cls):
+        return [cls(8), cls(4), cls(2)]
+
+    @classmethod
+    def edge_examples(cls):  # the fewest bits; a chunk that does not divide the block
+        return [cls(1), cls(4, chunk=7)]
 
     def __init__(self, bits: int = 8, chunk: int = 2048):
         self.bits = check_bits(bits)

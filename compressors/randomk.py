@@ -66,6 +66,14 @@ class RandomK(Compressor):
     name = "randomk"
     families = ("allreduce", "allgather")
 
+    @classmethod
+    def examples(cls):
+        return [cls(0.1)]
+
+    @classmethod
+    def edge_examples(cls):  # lossless at density 1; another index stream
+        return [cls(0.01, seed=2), cls(1.0)]
+
     def __init__(self, density: float = 0.01, seed: int = 0):
         self.density = check_density(density)
         if isinstance(seed, bool) or not isinstance(seed, int):

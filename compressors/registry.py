@@ -8,7 +8,8 @@ from typing import Callable
 
 from .base import Compressor
 
-__all__ = ["REGISTRY", "register", "get", "from_spec", "parse_spec", "available"]
+__all__ = ["REGISTRY", "register", "get", "from_spec", "parse_spec", "available", "registered_classes",
+           "examples"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,20 @@ def register(*names: str) -> Callable[[type[Compressor]], type[Compressor]]:
 
 def available() -> list[str]:
     return sorted(REGISTRY)
+
+
+def registered_classes() -> list[type[Compressor]]:
+    """Every registered compressor class once (aliases share a class), in registration order."""
+    return list(dict.fromkeys(REGISTRY.values()))
+
+
+def examples(edge: bool = False) -> list[Compressor]:
+    """``cls.examples()`` of every registered class (plus ``cls.edge_examples()`` when
+    ``edge``), in registration order: the cases of the test matrices."""
+    out: list[Compressor] = []
+    for cls in registered_classes():
+        out += cls.examples() + (cls.edge_examples() if edge else [])
+    return out
 
 
 def get(name: str, **kwargs) -> Compressor:

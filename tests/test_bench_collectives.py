@@ -1,4 +1,5 @@
-"""Smoke run of bench/collectives.py (self-spawned gloo): nccl-tests header, #wrong == 0."""
+"""Smoke run of bench/collectives.py (self-spawned gloo): nccl-tests header, #wrong == 0.
+The bench runs as a subprocess; its size and spec parsing are checked through its output."""
 
 import json
 import os
@@ -8,22 +9,20 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from collectives import parse_size, split_specs  # noqa: E402
+BENCH = os.path.join(ROOT, "bench", "collectives.py")
 
 
-def test_parse_size_and_specs():
-    assert parse_size("64K") == 65536 and parse_size("100M") == 100 << 20 and parse_size("8") == 8
-    assert split_specs(["none,topk:density=0.01,exact=false", "qsgd:bits=8"]) == [
-        "none", "topk:density=0.01,exact=false", "qsgd:bits=8"]
+def test_bad_size_rejected():
+    res = subprocess.run([sys.executable, BENCH, "-b", "10X"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert res.returncode == 2 and "bad size '10X'" in res.stderr
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_bench_smoke(tmp_path):
     out_json = tmp_path / "rows.json"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "collectives.py"), "-g", "2", "-b", "64K",
+    cmd = [sys.executable, BENCH, "-g", "2", "-b", "64K",
            "-e", "256K", "-f", "4", "-n", "2", "-w", "1", "--compressor", "none",
            "--compressor", "qsgd:bits=8,topk:density=0.05", "--algorithm", "allgather,two_phase,shared_scale",
            "--json", str(out_json)]
@@ -35,6 +34,10 @@ def test_bench_smoke(tmp_path):
     assert header[9:] == ["compressor", "algorithm", "wire_B", "ratio", "relerr"]
     rows = [l.split() for l in lines if l.strip() and not l.startswith("#")]
     assert len(rows) == 2 * (1 + 3 + 2)  # 2 sizes x (dense + qsgd x3 + topk x2)
+    assert {int(r[0]) for r in rows} == {64 << 10, 256 << 10}  # -b 64K -e 256K -f 4
+    # "qsgd:bits=8,topk:density=0.05" is two specs; "none" is the dense allreduce
+    assert {r[9] for r in rows} == {"dense", "qsgd:bits=8,chunk=2048",
+                                    "topk:density=0.05,exact=true"}
     for r in rows:
         assert r[2:5] == ["float", "sum", "-1"] and int(r[0]) == 4 * int(r[1])
         assert int(r[8]) == 0, r

@@ -1,13 +1,15 @@
 """2 netsim hosts x 2 ranks (1 Gb/s between hosts, loopback inside): groups, hierarchical
 replica identity, and the cost model's dense-allreduce prediction against measurement.
 
-Skips without root, ``ip netns`` or the netsim script. One rank launch runs every job; the
-fixture holds /tmp/netsim.lock for the whole run.
+Runs ``bench/hierarchy.py`` once as a subprocess (every job in one rank launch; it holds
+/tmp/netsim.lock from ``netsim up`` to ``netsim down``) and reads every rank's results from
+its ``--json-ranks`` file. Skips without root or ``ip netns``.
 """
 
-import fcntl
-import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -16,26 +18,16 @@ pytestmark = [pytest.mark.netsim, pytest.mark.timeout(240)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_hierarchy", os.path.join(ROOT, "bench", "hierarchy.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
-def results():
-    bench = _bench()
-    why = bench.netsim_unavailable()
-    if why:
-        pytest.skip(why)
-    with open(bench.NETSIM_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return bench.run_netsim(["groups", "hier", "cost"], rate="1gbit", hosts=2, per_host=2,
-                                    timeout=200, lock=False, extra=["--pg-timeout", "120"])
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def results(netsim_available, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hierarchy") / "ranks.json"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "hierarchy.py"), "--jobs", "groups,hier,cost",
+           "--rate", "1gbit", "--hosts", "2", "--per-host", "2", "--timeout", "200",
+           "--pg-timeout", "120", "--no-lock", "--json-ranks", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                          text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def test_groups_are_the_hosts(results):

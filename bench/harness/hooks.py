@@ -1,0 +1,183 @@
+"""The hook configurations the DDP benches compare, built from what is installed.
+
+:func:`hook_configs` lists every configuration that the installed ``comms.ALGORITHMS`` and
+``compressors.REGISTRY`` can build (and says which it skipped and why), so algorithms and
+compressors added later show up without editing the benches.
+
+Example::
+
+    >>> from harness.hooks import hook_configs
+    >>> configs, skipped = hook_configs()
+    >>> [c.name for c in configs][:3]
+    ['dense', 'torch-fp16', 'torch-psgd-r1']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+__all__ = ["HookConfig", "OURS", "AUTO_SPECS", "short_label", "hook_configs", "filter_configs",
+           "attach_hook"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HookConfig:
+    """One way of averaging gradients in DDP.
+
+    Attributes:
+        name: short label used in tables and plots.
+        kind: ``"dense"`` (DDP's own allreduce, no hook), ``"torch-fp16"``,
+            ``"torch-powersgd"`` or ``"ours"`` (a commpress hook).
+        spec: compressor spec for ``"ours"``.
+        algorithm: aggregation algorithm for ``"ours"`` (``None``: the state's default).
+        error_feedback: for ``"ours"``; ``None`` lets the state decide.
+        rank: PowerSGD matrix rank for ``"torch-powersgd"``.
+    """
+
+    name: str
+    kind: str
+    spec: str | None = None
+    algorithm: str | None = None
+    error_feedback: bool | None = None
+    rank: int = 0
+
+
+# Our compressors in the benches: (spec, error feedback, which algorithms). "each" means every
+# registered algorithm whose family the compressor supports; "first" only its preferred one.
+# Compressors or algorithms that are not installed are skipped with the reason printed.
+OURS = (
+    ("topk:density=0.01,exact=false", True, "each"),
+    ("qsgd:bits=8", None, "each"),
+    ("qsgd:bits=4", None, "each"),
+    ("sign", True, "each"),
+    ("randomk:density=0.01", True, "first"),
+    ("fp16", None, "first"),
+    ("powersgd:rank=1", None, "first"),
+    ("powersgd:rank=4", None, "first"),
+)
+# compressors given to the cost-model planner (``algorithm="auto"``, issue 4): it picks dense
+# or a compressed algorithm per bucket, so it should never be much slower than dense
+AUTO_SPECS = ("qsgd:bits=8", "powersgd:rank=1", "topk:density=0.01,exact=false")
+AUTO_ALGORITHMS = ("auto",)
+
+
+def short_label(spec: str, ef: bool | None) -> str:
+    """``"topk:density=0.01,exact=false"`` -> ``"topk1%"``; ``"qsgd:bits=4"`` -> ``"qsgd4"``."""
+    import compressors
+
+    name, kw = compressors.parse_spec(spec)
+    if "density" in kw:
+        label = f"{name}{kw['density'] * 100:g}%"
+    elif "bits" in kw:
+        label = f"{name}{kw['bits']}"
+    elif "rank" in kw:
+        label = f"{name}-r{kw['rank']}"
+    else:
+        label = name
+    return label + ("+ef" if ef else "")
+
+
+def _try_state(spec: str, algorithm: str | None, ef: bool | None):
+    """Build a CompressionState without a process group; returns (state, None) or (None, why)."""
+    import comms
+
+    try:
+        return comms.CompressionState(spec, None, algorithm=algorithm, error_feedback=ef), None
+    except (ValueError, TypeError, KeyError) as e:
+        return None, str(e).splitlines()[0]
+
+
+def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
+                 auto: bool = True) -> tuple[list[HookConfig], list[tuple[str, str]]]:
+    """Every hook configuration this installation can run, and what was skipped and why.
+
+    Returns:
+        ``(configs, skipped)``; ``skipped`` is a list of ``(what, reason)``.
+    """
+    import comms
+    import compressors
+
+    configs = [HookConfig("dense", "dense")]
+    skipped: list[tuple[str, str]] = []
+    if torch_hooks:
+        configs += [HookConfig("torch-fp16", "torch-fp16"),
+                    HookConfig("torch-psgd-r1", "torch-powersgd", rank=1),
+                    HookConfig("torch-psgd-r4", "torch-powersgd", rank=4)]
+    algs = []
+    for a, fn in comms.ALGORITHMS.items():
+        if a in AUTO_ALGORITHMS:
+            continue
+        if getattr(fn, "hierarchical", False):  # needs a tiered (multi-node) communicator
+            skipped.append((f"* @ {a}", "hierarchical: needs several ranks per node; these benches "
+                                        "run one rank per (simulated) host, where it equals the flat form"))
+            continue
+        algs.append(a)
+    for spec, ef, which in ours:
+        name = compressors.parse_spec(spec)[0]
+        if name not in compressors.REGISTRY:
+            skipped.append((spec, f"compressor {name!r} not in compressors.REGISTRY"))
+            continue
+        if which == "first":
+            st, why = _try_state(spec, None, ef)
+            if st is None:
+                skipped.append((spec, why))
+                continue
+            configs.append(HookConfig(f"{short_label(spec, st.error_feedback)}@{st.algorithm}", "ours",
+                                      spec, st.algorithm, ef))
+            continue
+        for alg in algs:
+            st, why = _try_state(spec, alg, ef)
+            if st is None:
+                skipped.append((f"{spec} @ {alg}", why))
+                continue
+            configs.append(HookConfig(f"{short_label(spec, st.error_feedback)}@{alg}", "ours", spec,
+                                      alg, ef))
+    if auto:
+        for spec in AUTO_SPECS:
+            st, why = _try_state(spec, "auto", None)
+            if st is None:
+                skipped.append((f"auto({spec})", why))
+                continue
+            configs.append(HookConfig(f"auto({short_label(spec, st.error_feedback)})", "ours", spec,
+                                      "auto", None))
+    return configs, skipped
+
+
+def filter_configs(configs: list[HookConfig], patterns: str | None) -> list[HookConfig]:
+    """Keep configs whose name contains one of the comma-separated ``patterns``; dense stays."""
+    if not patterns:
+        return configs
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    keep = [c for c in configs if c.kind == "dense" or any(p == c.name or p in c.name for p in pats)]
+    unknown = [p for p in pats if not any(p == c.name or p in c.name for c in configs)]
+    if unknown:
+        raise ValueError(f"--hooks {unknown} match no configuration; available: "
+                         f"{[c.name for c in configs]}")
+    return keep
+
+
+def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2):
+    """Register ``cfg`` on a fresh DDP wrapper; returns the hook state (``None`` for dense)."""
+    if cfg.kind == "dense":
+        return None
+    if cfg.kind == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(process_group, default_hooks.fp16_compress_hook)
+        return None
+    if cfg.kind == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        st = powerSGD_hook.PowerSGDState(process_group=process_group,
+                                         matrix_approximation_rank=cfg.rank,
+                                         start_powerSGD_iter=max(2, start_iter),
+                                         random_seed=0)
+        ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
+        return st
+    if cfg.kind == "ours":
+        import comms
+
+        return comms.register(ddp, cfg.spec, process_group=process_group, algorithm=cfg.algorithm,
+                              error_feedback=cfg.error_feedback, start_iter=start_iter)
+    raise ValueError(f"unknown hook kind {cfg.kind!r}")
