@@ -50,6 +50,9 @@ Example::
 
 .. warning::
     ``retune()`` must be called on every rank before the same step.
+
+Why one module of ~390 lines: the trial rounds, the decision rules, the watchdog and their
+checkpointing share one schedule (step -> rule) that must be identical on every rank.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from comms.communicator import Communicator
 # every registered compressor's examples() (e.g. qsgd:bits=8/4/2, powersgd:rank=2): a
 # compressor that registers itself is in the matrix without editing this file
 SPECS = [c.spec() for c in compressors.registry.examples()]
-FLAT = ["allreduce", "allgather", "two_phase", "shared_scale"]
+# every registered flat algorithm (hierarchical forms need a topology: tests/dist/test_hierarchical.py)
+FLAT = [name for name, alg in ALGORITHMS.items() if not alg.hierarchical]
 
 
 def matrix():
@@ -25,7 +26,7 @@ def matrix():
     out = []
     for spec in SPECS:
         c = compressors.from_spec(spec)
-        out += [(spec, a) for a in FLAT if c.supports(ALGORITHMS[a].family)]
+        out += [(spec, a) for a in FLAT if ALGORITHMS[a].supports(c)]
     return out
 
 
