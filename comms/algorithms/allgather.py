@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from .base import Algorithm
+from .base import Algorithm, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
 __all__ = ["Allgather", "allgather"]
@@ -70,7 +70,7 @@ def _allgather(comm, compressor, x, ctx, store):
     # wait for the size round here, in the caller's thread: starting the payload round from a
     # completion callback could order it after another bucket's first round on some ranks
     # only, and gloo pairs collectives by issue order
-    return after_sizes(comm.all_gather(sizes).wait())
+    return after_sizes(round_wait(comm, comm.all_gather(sizes), ctx, "allgather size-exchange round"))
 
 
 class Allgather(Algorithm):

@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from .base import round_wait
+
 __all__ = ["DTYPE_CODES", "HEADER_BYTES", "check_same_layout"]
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ def check_same_layout(comm, name: str, ctx) -> None:
     header = torch.tensor([ctx.numel, DTYPE_CODES.index(ctx.dtype)], dtype=torch.int64)
     if ctx.device.type != "cpu" and comm.backend not in ("gloo", "mpi"):
         header = header.to(ctx.device)
-    table = comm.all_gather(header).wait().view(comm.world_size, 2).cpu().tolist()
+    table = round_wait(comm, comm.all_gather(header), ctx, f"{name} layout-check allgather").view(comm.world_size, 2).cpu().tolist()
     if any(row != table[0] for row in table):
         desc = [(n, str(DTYPE_CODES[d]) if 0 <= d < len(DTYPE_CODES) else d) for n, d in table]
         raise ValueError(f"{name}: bucket {ctx.bucket} layout (numel, dtype) differs across ranks: "
