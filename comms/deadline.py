@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 
 __all__ = ["CollectiveTimeout", "group_timeout", "check_timeout", "wait", "fail", "clean_message",
-           "advice", "failure", "timeout_error", "Watchdog", "WATCHDOG"]
+           "advice", "failure", "timeout_error", "Watchdog", "WATCHDOG",
+           "Heartbeat", "HEARTBEAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,80 @@ def timeout_error(what: str, seconds: float) -> CollectiveTimeout:
 
 
 def _peers_hint() -> str:
-    return ""
+    peers = HEARTBEAT.silent()
+    return f" ({peers})" if peers else ""
+
+
+class Heartbeat:
+    """Which peers stopped answering: a daemon thread writes ``commpress/hb/<rank>`` (wall
+    time) into the default process group's store every ``period`` s once training started;
+    :meth:`silent` reads every rank's key (in a helper thread, bounded by ``read_timeout``)
+    and names the ranks whose last beat is older than ``3 * period``. Off the hot path: one
+    tiny store write per second per rank, never a collective."""
+
+    PREFIX = "commpress/hb/"
+
+    def __init__(self, period: float = 1.0, read_timeout: float = 1.5):
+        self.period, self.read_timeout = period, read_timeout
+        self._thread = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        import torch.distributed as dist
+
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            store, rank, world = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        except Exception:  # noqa: BLE001 - no default group / private API moved: no names
+            self._thread = False
+            return
+        self._store, self._rank, self._world = store, rank, world
+        self._thread = threading.Thread(target=self._beat, name="commpress-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        key = f"{self.PREFIX}{self._rank}"
+        while not self._stop.is_set():
+            try:
+                self._store.set(key, repr(time.time()))
+            except Exception:  # noqa: BLE001 - store gone (destroy_process_group, rank 0 dead)
+                return
+            self._stop.wait(self.period)
+
+    def silent(self) -> str:
+        """``"rank(s) [2] stopped answering 7 s ago"``-style text, or ``""`` when unknown."""
+        if not self._thread:
+            return ""
+        out: list = []
+
+        def read():
+            try:  # get() would wait for a key that was never set: check() first
+                keys = [f"{self.PREFIX}{r}" for r in range(self._world)]
+                there = [k for k in keys if self._store.check([k])]
+                got = dict(zip(there, self._store.multi_get(there))) if there else {}
+                out.append([float(got[k].decode()) if k in got else None for k in keys])
+            except Exception as exc:  # noqa: BLE001
+                out.append(exc)
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(self.read_timeout)
+        if not out or isinstance(out[0], Exception):
+            return ("the rendezvous store did not answer either: the rank hosting it (rank 0, "
+                    "MASTER_ADDR) may be the stuck or dead one")
+        now = time.time()
+        old = [(r, now - v) for r, v in enumerate(out[0]) if r != self._rank and v is not None
+               and now - v > 3 * self.period]
+        if not old:
+            return "every peer's heartbeat is recent: a peer is alive but did not issue this collective"
+        return "rank(s) %s stopped answering %s s ago" % (
+            [r for r, _ in old], "/".join(f"{a:.0f}" for _, a in old))
+
+
+HEARTBEAT = Heartbeat()
 
 
 def wait(fut: torch.futures.Future, timeout: float | None, what: str):

@@ -25,7 +25,7 @@ import torch
 
 import time
 
-from .deadline import WATCHDOG, CollectiveTimeout, fail, failure, timeout_error, wait
+from .deadline import HEARTBEAT, WATCHDOG, CollectiveTimeout, fail, failure, timeout_error, wait
 from .errors import where
 from .futures import guarded
 
@@ -90,8 +90,10 @@ class StepFlags:
         def host(f):
             vals = f.value().tolist()  # one host read per step, after the collective finished
             if vals[-1] != world:
+                silent = HEARTBEAT.silent()
                 raise RuntimeError(f"{what} returned a rank count of {vals[-1]:g} instead of {world}: "
-                                   "a peer died or disconnected; this step's results are discarded")
+                                   f"a peer died or disconnected{f' ({silent})' if silent else ''}; "
+                                   "this step's results are discarded")
             return vals
 
         try:
@@ -101,6 +103,8 @@ class StepFlags:
             ffut.set_exception(RuntimeError(f"{what} failed: {exc}"))
         timeout = getattr(comm, "timeout", None)
         if timeout is not None:
+            if comm.backend in ("gloo", "nccl"):
+                HEARTBEAT.start()  # once: names the silent peers in timeout errors
             # DDP waits on these futures without a timeout: the watchdog completes the ones
             # still pending `timeout` s from now (one list append per step, no sync)
             WATCHDOG.watch(time.monotonic() + timeout, lambda: all(p.result.done() for p in pending),
