@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from ..deadline import advice
+from ..errors import where
 from .base import Algorithm, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
@@ -51,9 +53,13 @@ def _allgather(comm, compressor, x, ctx, store):
 
     def after_sizes(all_sizes):
         table = all_sizes.view(world, len(layout) + 1).cpu().tolist()  # host sync: sizes needed to slice
+        if table[comm.rank] != sizes.tolist() or any(n < 0 for row in table for n in row):
+            # gloo can hand back garbage instead of an error once a peer died: not a user error
+            raise RuntimeError(f"{where(comm, 'allgather size-exchange round', ctx.bucket, ctx.numel, ctx.dtype, ctx.step)} "
+                               f"returned a corrupt table: a peer died or disconnected; {advice()}")
         bad = [r for r, row in enumerate(table) if row[-1] != ctx.numel]
         if bad:
-            raise ValueError(f"bucket {ctx.bucket}: numel differs across ranks "
+            raise ValueError(f"commpress: bucket {ctx.bucket}: numel differs across ranks "
                              f"({[row[-1] for row in table]}); every rank must build the same buckets")
         layouts = [tuple((n, dt) for n, (_, dt) in zip(row[:-1], layout)) for row in table]
         width = max(nbytes_of(lay) for lay in layouts)

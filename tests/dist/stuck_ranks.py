@@ -159,6 +159,7 @@ def run_one(case: Case, how: str, *, world: int = 3, pg_timeout: float = 6.0, sl
     got: dict[int, object] = {}
     stamp = os.path.join(stamp_dir, "stopped")
     deadline = None
+    victim_out = None
     start = time.monotonic()
     try:
         while len(got) < world - 1:
@@ -172,10 +173,11 @@ def run_one(case: Case, how: str, *, world: int = 3, pg_timeout: float = 6.0, sl
             except queue.Empty:
                 continue
             if rank == victim:
+                victim_out = val if not ok else None  # the victim failed before its fault point
                 continue
             got[rank] = pickle.loads(val) if ok else {"t": None, "error": val}
         stopped = float(open(stamp).read()) if os.path.exists(stamp) else None
-        out = {"survivors": {}, "hung": {}, "stopped": stopped}
+        out = {"survivors": {}, "hung": {}, "stopped": stopped, "victim_error": victim_out}
         for r in range(world - 1):
             o = got.get(r)
             if o is None:

@@ -16,7 +16,7 @@ SLACK = 8.0  # start-up of the victim's step, the last bucket's issue, a loaded 
 
 
 def _check(case, how, out):
-    assert out["stopped"] is not None, f"{case}: the victim never reached its fault point"
+    assert out["stopped"] is not None, f"{case}: the victim never reached its fault point: {out}"
     for r, o in out["survivors"].items():
         assert o is not None, f"{case} {how}: rank {r} did not raise within {PG_TIMEOUT + SLACK} s (hang)"
         assert "error" not in o, o.get("error")
