@@ -15,12 +15,13 @@ from .state import BucketStats, CompressionState
 from .hook import compression_hook, dense_allreduce
 from .register import make_hook, register
 from .replicas import ReplicaMismatchError, check_replicas
+from .deadline import CollectiveTimeout
 
 __all__ = [
     "Communicator", "TorchCommunicator", "ALGORITHMS", "get_algorithm", "BucketStats",
     "CompressionState", "compression_hook", "dense_allreduce", "make_hook", "register",
 ]
-__all__ += ["check_replicas", "ReplicaMismatchError"]
+__all__ += ["check_replicas", "ReplicaMismatchError", "CollectiveTimeout"]
 
 from .topology import Topology, TieredCommunicator  # noqa: E402
 from .cost_model import CostModel  # noqa: E402

@@ -13,6 +13,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .deadline import group_timeout, wait
 from .futures import completed
 
 __all__ = ["Communicator", "TorchCommunicator", "LocalCommunicator", "allreduce_max"]
@@ -26,6 +27,9 @@ class Communicator:
     backend: str = "abstract"
     rank: int
     world_size: int
+    # seconds every blocking wait of commpress on this communicator may last (None: unbounded);
+    # the process group's timeout for TorchCommunicator (comms.deadline)
+    timeout: float | None = None
 
     def all_reduce(self, t: torch.Tensor) -> torch.futures.Future:
         """Sum ``t`` over ranks, in place; the future's value is ``t``."""
@@ -66,6 +70,7 @@ class TorchCommunicator(Communicator):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
+        self.timeout = group_timeout(group)
 
     def all_reduce(self, t):
         return _then_value(dist.all_reduce(t, group=self.group, async_op=True), t)
@@ -136,8 +141,8 @@ class LocalCommunicator(Communicator):
         return completed(t)
 
 
-def allreduce_max(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
+def allreduce_max(comm: Communicator, t: torch.Tensor, what: str = "commpress: MAX allgather") -> torch.Tensor:
     """MAX over ranks with the sum-only interface: allgather, then max (exact in any order).
-    Blocks: for set-up and tuning, never the hook's hot path."""
-    g = comm.all_gather(t).wait()
+    Blocks (at most ``comm.timeout``): for set-up and tuning, never the hook's hot path."""
+    g = wait(comm.all_gather(t), comm.timeout, what)
     return g.view(comm.world_size, -1).amax(0)

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .deadline import wait
 from .errors import where
 
 __all__ = ["ConfigCheck"]
@@ -47,10 +48,10 @@ class ConfigCheck:
         if buf.device.type != "cpu" and comm.backend not in ("gloo", "mpi"):
             t = t.to(buf.device)
         what = where(comm, "configuration-check allgather", index, buf.numel(), buf.dtype, step)
-        try:  # one host sync per bucket layout: what follows depends on the answer
-            table = comm.all_gather(t).wait().view(comm.world_size, len(mine)).cpu().tolist()
-        except Exception as exc:  # noqa: BLE001
-            raise RuntimeError(f"{what} failed: {exc}") from exc
+        # one host sync per bucket layout (what follows depends on the answer), bounded by
+        # the timeout: a stuck peer raises CollectiveTimeout here instead of blocking backward
+        table = wait(comm.all_gather(t), getattr(comm, "timeout", None), what)
+        table = table.view(comm.world_size, len(mine)).cpu().tolist()
         vals = values()
         for f, field in enumerate(self.fields):
             differ = [r for r, row in enumerate(table) if row[f] != table[0][f]]

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .deadline import clean_message
+
 __all__ = ["completed", "guarded", "when_all"]
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,9 @@ def guarded(fut: torch.futures.Future, where: str) -> torch.futures.Future:
         try:
             return f.value()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise RuntimeError(f"{where} failed: {exc}") from exc
+            # torch wraps what a callback raises; the hook's last hop unwraps it
+            # (comms.deadline.failure), so only the collective's own reason is kept here
+            raise RuntimeError(f"{where} failed: {clean_message(exc)}") from exc
 
     return fut.then(check)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from compressors import Context
 
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
+from .deadline import clean_message
 from .errors import where
 from .futures import completed, guarded, when_all
 from .state import CompressionState
@@ -77,13 +78,13 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
         if not switched:
-            return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter)
+            return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
         x.div_(world)
         if state.error_feedback:
             state.memory.add_residual_(index, x)
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.reset_bucket(index)
-        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter)
+        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     alg = get_algorithm(name)
     x.div_(world)
     if state.error_feedback:
@@ -105,14 +106,15 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     def finish(f):
         try:
             total, own = f.value()
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise RuntimeError(f"{what} failed: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
+            msg = clean_message(exc)
+            raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
         if state.error_feedback:
             state.memory.update_(index, x, own)
         x.copy_(total)
         return x
 
-    return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter)
+    return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter, what=what)
 
 
 def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):
@@ -165,7 +167,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         if not state.planner.ready:
             # first call: every rank is here and nothing is in flight — discover the topology,
             # build its groups and probe the links (collective), once
-            comm = state.communicator = state.planner.setup(comm, state.process_group)
+            state.communicator = state.planner.setup(comm, state.process_group)
+            comm = state.comm()
         if index == 0:  # DDP launches bucket 0 first, after the last step's futures were waited
             state.planner.begin_step(step, state.start_iter, buf.numel(), buf.dtype)
         state.planner.observe(index, buf.numel(), buf.dtype, bucket)
@@ -181,7 +184,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         if step < state.start_iter or buf.numel() < state.min_compress_numel:
             state.dense_calls += 1
             what = where(comm, "dense allreduce", index, buf.numel(), buf.dtype, step)
-            fut = state.flags.enqueue(index, step, None, buf, guarded(dense_allreduce(state, buf), what))
+            fut = state.flags.enqueue(index, step, None, buf, guarded(dense_allreduce(state, buf), what), what=what)
         else:
             plan = _layout_plan(state, bucket, buf, index)
             params = bucket.parameters()

@@ -177,7 +177,8 @@ class Planner:
             self._logged = False  # log the plan again under the locked rule
 
     def _agree(self, values: list[float]) -> list[float]:
-        return allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64)).tolist()
+        return allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64),
+                             f"commpress: autotune timing MAX-allgather on rank {self.comm.rank} of {self.comm.world_size}").tolist()
 
     def _propose(self, keys) -> list[str]:
         """Compressed rules, best predicted first, distinct on the given buckets."""

@@ -28,6 +28,7 @@ from compressors import Compressor, Context
 from .algorithms import ALGORITHMS
 from .communicator import Communicator, LocalCommunicator, allreduce_max
 from .cost_model import ComputeCost, CostModel, TierCost
+from .deadline import wait
 
 __all__ = ["probe", "refine", "PROBE_SIZES", "SAMPLE_NUMELS", "PROBE_CAP_BYTES", "COMPUTE_NUMEL"]
 
@@ -65,7 +66,7 @@ def probe(comm: Communicator, compressors: Iterable[Compressor] = (), *,
     for comp in compressors:
         vec += _time_compute(comp, sample_numels, reps)
     # one MAX over every rank: each rank then fits the same numbers
-    vals = allreduce_max(comm, torch.tensor(vec, dtype=torch.float64)).tolist()
+    vals = allreduce_max(comm, torch.tensor(vec, dtype=torch.float64), f"commpress: cost-model probe MAX-allgather on rank {comm.rank} of {comm.world_size}").tolist()
     fitted, i = {}, 0
     for name, c in tiers.items():
         fitted[name] = TierCost.fit(name, c.world_size, sizes, vals[i: i + 2])
@@ -109,7 +110,7 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
     comps = [compressor] if compressor is not None else []
     for comp in comps:
         vec += _time_compute(comp, numels, 2)
-    vals = allreduce_max(comm, torch.tensor(vec, dtype=torch.float64)).tolist()
+    vals = allreduce_max(comm, torch.tensor(vec, dtype=torch.float64), f"commpress: cost-model probe MAX-allgather on rank {comm.rank} of {comm.world_size}").tolist()
     tiers = dict(model.tiers)
     for ((tier, op, dt), nbytes), t in zip(entries, vals):
         base = tiers[tier]
@@ -157,6 +158,12 @@ def _fit_compute(compressors, numels, vals) -> dict[str, ComputeCost]:
     return out
 
 
+def _w(c: Communicator, fut, op: str):
+    """A probe collective's wait, bounded by the communicator's timeout (comms.deadline)."""
+    return wait(fut, getattr(c, "timeout", None),
+                f"commpress: cost-model probe {op} on rank {c.rank} of {c.world_size}")
+
+
 def _time_allreduce(flat: Communicator, c: Communicator, nbytes: int, reps: int) -> float:
     """Seconds per allreduce of ``nbytes`` on ``c``, every group of the tier at once.
 
@@ -165,15 +172,15 @@ def _time_allreduce(flat: Communicator, c: Communicator, nbytes: int, reps: int)
     depends only on the arguments, so it is the same on every rank.
     """
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    c.all_reduce(buf).wait()  # warm: connections, first touch
+    _w(c, c.all_reduce(buf), "allreduce")  # warm: connections, first touch
     one = torch.zeros(1)
     ts = []
     for _ in range(max(reps, 7) if nbytes < 1 << 20 else reps):
         # line every rank up before each timed op: back-to-back ops would also time the
         # skew between ranks that the previous op left behind (a hook's op starts aligned)
-        flat.all_reduce(one).wait()
+        _w(flat, flat.all_reduce(one), "barrier allreduce")
         t0 = time.perf_counter()
-        c.all_reduce(buf).wait()
+        _w(c, c.all_reduce(buf), "allreduce")
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -190,12 +197,12 @@ def _time_op(flat: Communicator, c: Communicator, op: str, dtype: torch.dtype, n
     run = {"allreduce": c.all_reduce, "allgather": c.all_gather, "all_to_all": c.all_to_all}[op]
     warm = torch.zeros(max(c.world_size, numel // 8 - (numel // 8) % c.world_size), dtype=dtype)
     buf = torch.zeros(numel, dtype=dtype)
-    run(warm).wait()
-    flat.all_reduce(torch.zeros(1)).wait()  # line every rank up before timing
+    _w(c, run(warm), op)
+    _w(flat, flat.all_reduce(torch.zeros(1)), "barrier allreduce")  # line every rank up before timing
     ts = []
     for _ in range(1 if nbytes >= 1 << 20 else 3):
         t0 = time.perf_counter()
-        run(buf).wait()
+        _w(c, run(buf), op)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 

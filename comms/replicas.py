@@ -13,6 +13,7 @@ import logging
 import torch
 
 from .communicator import Communicator, TorchCommunicator
+from .deadline import wait
 
 __all__ = ["check_replicas", "ReplicaMismatchError", "param_fingerprint", "ReplicaGuard"]
 
@@ -72,14 +73,15 @@ def check_replicas(model: torch.nn.Module, process_group=None, *, buffers: bool 
     table = torch.stack([param_fingerprint(t).to(device) for _, t in named]) if named \
         else torch.zeros(0, 2, dtype=torch.int64, device=device)
     world = comm.world_size
-    counts = comm.all_gather(torch.tensor([len(named)], dtype=torch.int64, device=device)).wait()
+    what = f"commpress: check_replicas allgather on rank {comm.rank} of {comm.world_size}"
+    counts = wait(comm.all_gather(torch.tensor([len(named)], dtype=torch.int64, device=device)), comm.timeout, what)
     counts = counts.cpu().tolist()
     if len(set(counts)) != 1:
         raise ReplicaMismatchError(f"check_replicas: ranks hold different numbers of tensors "
                                    f"{counts}; rank {comm.rank} holds {len(named)}")
     if not named:
         return table
-    everyone = comm.all_gather(table.reshape(-1)).wait().view(world, len(named), 2).cpu()
+    everyone = wait(comm.all_gather(table.reshape(-1)), comm.timeout, what).view(world, len(named), 2).cpu()
     same = (everyone == everyone[0]).all(dim=2)  # (world, tensors)
     if not bool(same.all()):
         first = int((~same).any(dim=0).nonzero()[0])

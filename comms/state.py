@@ -30,6 +30,7 @@ from compressors import Compressor, ErrorFeedback, from_spec
 from .algorithms import ALGORITHMS, get_algorithm
 from .communicator import Communicator, TorchCommunicator
 from .config_check import ConfigCheck
+from .deadline import check_timeout
 from .layouts import LayoutTracker
 from .stats import BucketStats
 from .step_flags import StepFlags
@@ -101,6 +102,9 @@ class CompressionState:
             the fastest (:mod:`comms.autotune`); ``False``: the cost model's choice is final.
         autotune_steps: steps each rule runs per interleaved tuning round (>= 2; the first is
             not counted). Tuning takes at most 40 steps (``state.planner.tuner.max_steps``).
+        timeout: seconds (or a ``timedelta``) any commpress wait may last before it raises
+            ``comms.CollectiveTimeout`` (a stuck or dead peer); ``None``: the process group's
+            timeout (``init_process_group(timeout=...)``). Local: may differ between ranks.
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -119,7 +123,7 @@ class CompressionState:
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
         "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layout_tracker", "param_names", "nonfinite_buckets", "config_check",
-        "flags", "_warned_nonfinite", "replica_guard", "__weakref__",
+        "flags", "_warned_nonfinite", "replica_guard", "timeout", "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
@@ -128,11 +132,14 @@ class CompressionState:
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
-                 min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 2):
+                 min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 2,
+                 timeout=None):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
         self.compressor = from_spec(compressor)
+        # seconds any wait of commpress may last (None: the process group's timeout)
+        self.timeout = check_timeout(timeout)
         if isinstance(start_iter, bool) or not isinstance(start_iter, int):
             raise TypeError(f"start_iter must be an int, got {start_iter!r}")
         if start_iter < 0:
@@ -256,7 +263,14 @@ class CompressionState:
     def comm(self) -> Communicator:
         if self.communicator is None:
             self.communicator = TorchCommunicator(self.process_group)
-        return self.communicator
+        c = self.communicator
+        if self.timeout is not None and c.timeout != self.timeout:  # the user's bound wins
+            c.timeout = self.timeout
+            for tier in ("intra", "inter"):
+                sub = getattr(c, tier, None)
+                if sub is not None:
+                    sub.timeout = self.timeout
+        return c
 
     def store(self, bucket: int) -> dict:
         return self.algo_store.setdefault(bucket, {})

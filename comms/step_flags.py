@@ -8,6 +8,12 @@ caller's ``on_nonfinite(bucket, step)`` resets its residual and store. The flag 
 with a 1 per rank: gloo can hand back garbage instead of an error once a peer has died, so a
 rank count other than the world size discards the step with an error. The flags are read on
 the host once per step, in a callback after the flag allreduce finished.
+
+Bounded (issue 18): at :meth:`StepFlags.flush` the step's futures are handed to the
+process-wide watchdog (:mod:`comms.deadline`); those DDP still waits on ``comm.timeout``
+seconds later are completed with a :class:`~comms.deadline.CollectiveTimeout` naming the
+first collective that had not completed, so a stuck peer makes ``backward()`` raise instead of
+waiting forever. Every error DDP gets is unwrapped from torch's callback wording first.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from typing import Callable
 
 import torch
 
+import time
+
+from .deadline import HEARTBEAT, WATCHDOG, CollectiveTimeout, fail, failure, timeout_error, wait
 from .errors import where
 from .futures import guarded
 
@@ -31,11 +40,12 @@ class PendingBucket:
     ``flag`` is ``None`` for dense buckets (never poisoned by us); ``scatter`` writes a
     sub-bucket's result back into its DDP bucket."""
 
-    __slots__ = ("bucket", "step", "flag", "x", "fut", "result", "scatter")
+    __slots__ = ("bucket", "step", "flag", "x", "fut", "result", "scatter", "what")
 
-    def __init__(self, bucket, step, flag, x, fut, scatter):
+    def __init__(self, bucket, step, flag, x, fut, scatter, what=None):
         self.bucket, self.step, self.flag, self.x, self.fut = bucket, step, flag, x, fut
         self.scatter = scatter
+        self.what = what or f"commpress: collective of bucket {bucket} at step {step}"
         self.result = torch.futures.Future()
 
 
@@ -48,9 +58,10 @@ class StepFlags:
         self.pending: list[PendingBucket] = []
 
     def enqueue(self, bucket: int, step: int, flag, x: torch.Tensor, fut: torch.futures.Future,
-                scatter=None) -> torch.futures.Future:
-        """Hold ``fut`` (whose value is ``x``) until :meth:`flush`; returns the future DDP gets."""
-        p = PendingBucket(bucket, step, flag, x, fut, scatter)
+                scatter=None, what: str | None = None) -> torch.futures.Future:
+        """Hold ``fut`` (whose value is ``x``) until :meth:`flush`; returns the future DDP gets.
+        ``what``: the collective's name in errors (:func:`comms.errors.where`)."""
+        p = PendingBucket(bucket, step, flag, x, fut, scatter, what)
         self.pending.append(p)
         return p.result
 
@@ -60,7 +71,7 @@ class StepFlags:
         if stale:
             self.pending = [p for p in self.pending if p.step == step]
             for p in stale:
-                p.result.set_exception(RuntimeError(f"commpress: step {p.step} was abandoned"))
+                fail(p.result, RuntimeError(f"commpress: step {p.step} was abandoned"))
 
     def flush(self, comm, step: int, on_nonfinite: Callable[[int, int], None]) -> None:
         """At the step's last bucket: one allreduce of every pending bucket's flag."""
@@ -79,8 +90,10 @@ class StepFlags:
         def host(f):
             vals = f.value().tolist()  # one host read per step, after the collective finished
             if vals[-1] != world:
+                silent = HEARTBEAT.silent()
                 raise RuntimeError(f"{what} returned a rank count of {vals[-1]:g} instead of {world}: "
-                                   "a peer died or disconnected; this step's results are discarded")
+                                   f"a peer died or disconnected{f' ({silent})' if silent else ''}; "
+                                   "this step's results are discarded")
             return vals
 
         try:
@@ -88,10 +101,55 @@ class StepFlags:
         except Exception as exc:  # noqa: BLE001
             ffut = torch.futures.Future()
             ffut.set_exception(RuntimeError(f"{what} failed: {exc}"))
+        timeout = getattr(comm, "timeout", None)
+        if timeout is not None:
+            if comm.backend in ("gloo", "nccl"):
+                HEARTBEAT.start()  # once: names the silent peers in timeout errors
+            # DDP waits on these futures without a timeout: the watchdog completes the ones
+            # still pending `timeout` s from now (one list append per step, no sync)
+            WATCHDOG.watch(time.monotonic() + timeout, lambda: all(p.result.done() for p in pending),
+                           lambda: _expire(pending, ffut, what, timeout))
+        if device.type == "cpu":
+            # DDP raises a failed hook future as "Unable to cast <exception> to Tensor" (a Python
+            # Future's exception is its value to C++): check the step's futures in an autograd
+            # final callback that runs before DDP's own and raise our clean error from there.
+            # CPU only: DDP's finalize waits for the same futures right after, so this waits no
+            # longer; on CUDA it would be a host sync (the watchdog still bounds DDP's wait)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: _final_check(pending, ffut, what, timeout))
+            except RuntimeError:  # not inside backward (the hook called directly)
+                pass
         for i, p in enumerate(pending):
             # not collect_all: it completes at the first error, before the other future is done
             p.fut.add_done_callback(
                 lambda _f, p=p, i=i: ffut.add_done_callback(lambda _g: _settle(p, i, ffut, on_nonfinite)))
+
+
+def _final_check(pending: list[PendingBucket], flags_fut, flags_what: str, timeout) -> None:
+    """Autograd final callback: wait (bounded) for the step's futures; raise the first
+    failure with commpress's own message (see :meth:`StepFlags.flush`)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    for p in pending:
+        left = None if end is None else max(0.0, end - time.monotonic())
+        try:
+            wait(p.result, left, p.what)
+        except CollectiveTimeout:
+            _expire(pending, flags_fut, flags_what, timeout)
+            wait(p.result, 0.0, p.what)  # raises the (named) timeout error DDP would see
+        except Exception:  # noqa: BLE001 - already clean: failure() passes ours through
+            raise
+
+
+def _expire(pending: list[PendingBucket], flags_fut, flags_what: str, timeout: float) -> None:
+    """The watchdog's deadline: fail every bucket DDP still waits on, naming the first
+    collective of the step that had not completed (its bucket, step and rank)."""
+    stuck = next((p.what for p in pending if not p.fut.done()), None)
+    if stuck is None:
+        stuck = flags_what if not flags_fut.done() else pending[0].what
+    exc = timeout_error(stuck, timeout)
+    for p in pending:
+        fail(p.result, exc)
 
 
 def _settle(p: PendingBucket, i: int, flags_fut, on_nonfinite) -> None:
@@ -103,8 +161,10 @@ def _settle(p: PendingBucket, i: int, flags_fut, on_nonfinite) -> None:
             # and store must not keep it
             x.fill_(float("nan"))
             on_nonfinite(p.bucket, p.step)
+        if p.result.done():
+            return  # the watchdog failed it already: do not touch the buffer any more
         if p.scatter is not None:
             p.scatter(x)
         p.result.set_result(x)
-    except BaseException as exc:  # noqa: BLE001 - forwarded to DDP
-        p.result.set_exception(exc)
+    except BaseException as exc:  # noqa: BLE001 - forwarded to DDP, unwrapped and with advice
+        fail(p.result, failure(p.what, exc))

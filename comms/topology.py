@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator, TorchCommunicator
+from .deadline import wait
 from .launch_env import LaunchInfo, launch_info
 
 __all__ = ["Topology", "TieredCommunicator", "tiered_communicator", "NODE_ENV", "NAME_BYTES"]
@@ -69,6 +70,7 @@ class TieredCommunicator(Communicator):
 
     def __init__(self, flat: Communicator, intra: Communicator, inter: Communicator, topology=None):
         self.flat, self.intra, self.inter, self.topology = flat, intra, inter, topology
+        self.timeout = getattr(flat, "timeout", None)
         self.rank, self.world_size, self.backend = flat.rank, flat.world_size, flat.backend
 
     def all_reduce(self, t):
@@ -163,7 +165,8 @@ class Topology:
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         if str(dist.get_backend(process_group)) == "nccl":
             mine = mine.cuda()
-        table = TorchCommunicator(process_group).all_gather(mine).wait()
+        tc = TorchCommunicator(process_group)
+        table = wait(tc.all_gather(mine), tc.timeout, f"commpress: node-name allgather on rank {rank} of {world}")
         if table.numel() != world * NAME_BYTES:
             raise RuntimeError(f"node-name allgather returned {table.numel()} bytes, expected {world * NAME_BYTES}")
         topo = cls(_decode_names(table), rank, launch_info(env))

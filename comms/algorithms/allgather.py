@@ -11,7 +11,9 @@ import logging
 
 import torch
 
-from .base import Algorithm
+from ..deadline import advice
+from ..errors import where
+from .base import Algorithm, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
 __all__ = ["Allgather", "allgather"]
@@ -51,9 +53,13 @@ def _allgather(comm, compressor, x, ctx, store):
 
     def after_sizes(all_sizes):
         table = all_sizes.view(world, len(layout) + 1).cpu().tolist()  # host sync: sizes needed to slice
+        if table[comm.rank] != sizes.tolist() or any(n < 0 for row in table for n in row):
+            # gloo can hand back garbage instead of an error once a peer died: not a user error
+            raise RuntimeError(f"{where(comm, 'allgather size-exchange round', ctx.bucket, ctx.numel, ctx.dtype, ctx.step)} "
+                               f"returned a corrupt table: a peer died or disconnected; {advice()}")
         bad = [r for r, row in enumerate(table) if row[-1] != ctx.numel]
         if bad:
-            raise ValueError(f"bucket {ctx.bucket}: numel differs across ranks "
+            raise ValueError(f"commpress: bucket {ctx.bucket}: numel differs across ranks "
                              f"({[row[-1] for row in table]}); every rank must build the same buckets")
         layouts = [tuple((n, dt) for n, (_, dt) in zip(row[:-1], layout)) for row in table]
         width = max(nbytes_of(lay) for lay in layouts)
@@ -70,7 +76,7 @@ def _allgather(comm, compressor, x, ctx, store):
     # wait for the size round here, in the caller's thread: starting the payload round from a
     # completion callback could order it after another bucket's first round on some ranks
     # only, and gloo pairs collectives by issue order
-    return after_sizes(comm.all_gather(sizes).wait())
+    return after_sizes(round_wait(comm, comm.all_gather(sizes), ctx, "allgather size-exchange round"))
 
 
 class Allgather(Algorithm):

@@ -21,7 +21,7 @@ import torch
 
 from compressors import Context
 
-from .base import Algorithm
+from .base import Algorithm, round_wait
 from .wire import layout_of
 
 __all__ = ["Allreduce", "allreduce", "payload_dtype"]
@@ -60,7 +60,8 @@ def _power_iteration(comm, compressor, x, ctx, store):
     rnd = compressor.first_round(x, ctx, store)
     if rnd is None:  # nothing worth factorizing: dense, own == x so the residual is zero
         return comm.all_reduce(x.detach().clone()).then(lambda f: (f.value(), x))
-    comm.all_reduce(rnd.p).wait()  # intermediate round: waited here, in program order
+    # intermediate round: waited here, in program order (bounded: comms.deadline)
+    round_wait(comm, comm.all_reduce(rnd.p), ctx, "PowerSGD P allreduce round")
     q = compressor.second_round(rnd)
     q_own = compressor.q_factors(rnd, q).clone()  # the allreduce sums q in place
     fut = comm.all_reduce(q)

@@ -36,12 +36,23 @@ import math
 
 import torch
 
-__all__ = ["Algorithm", "DENSE"]
+from ..deadline import wait
+from ..errors import where
+
+__all__ = ["Algorithm", "DENSE", "round_wait"]
 
 logger = logging.getLogger(__name__)
 
 # the name of "no compression, DDP's plain allreduce" wherever a plan names an algorithm
 DENSE = "dense"
+
+
+def round_wait(comm, fut, ctx, round_name: str):
+    """Wait for an intermediate round of a multi-round algorithm in the caller's thread,
+    bounded by ``comm.timeout`` (a stuck peer raises ``CollectiveTimeout`` naming the round,
+    the bucket and the step instead of blocking the backward forever)."""
+    return wait(fut, getattr(comm, "timeout", None),
+                where(comm, round_name, ctx.bucket, ctx.numel, ctx.dtype, ctx.step))
 
 
 class Algorithm:

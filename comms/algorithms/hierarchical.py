@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from .base import Algorithm
+from .base import Algorithm, round_wait
 
 __all__ = ["Hierarchical", "HIER_PASSES"]
 
@@ -128,9 +128,10 @@ class Hierarchical(Algorithm):
         # The reduce-scatter is all_to_all + a local sum: gloo's reduce_scatter has no
         # get_future() (torch 2.13), and the owner summing its chunks in local-rank order is
         # deterministic.
-        chunks = intra.all_to_all(xp).wait()
+        chunks = round_wait(intra, intra.all_to_all(xp), ctx, "hierarchical intra-node all_to_all round")
         node_shard = chunks.view(local_size, shard).sum(0)
-        shard_sum, shard_own = inner(inter, compressor, node_shard, sctx, store).wait()
+        shard_sum, shard_own = round_wait(inter, inner(inter, compressor, node_shard, sctx, store), ctx,
+                                          f"hierarchical inter-node {self.inner.name} round")
 
         def done(fut):
             total = fut.value()[:n]

@@ -11,6 +11,10 @@ import logging
 
 import torch
 
+from ..deadline import advice
+from ..errors import where
+from .base import round_wait
+
 __all__ = ["DTYPE_CODES", "HEADER_BYTES", "check_same_layout"]
 
 logger = logging.getLogger(__name__)
@@ -33,8 +37,13 @@ def check_same_layout(comm, name: str, ctx) -> None:
     header = torch.tensor([ctx.numel, DTYPE_CODES.index(ctx.dtype)], dtype=torch.int64)
     if ctx.device.type != "cpu" and comm.backend not in ("gloo", "mpi"):
         header = header.to(ctx.device)
-    table = comm.all_gather(header).wait().view(comm.world_size, 2).cpu().tolist()
+    what = where(comm, f"{name} layout-check allgather", ctx.bucket, ctx.numel, ctx.dtype, ctx.step)
+    table = round_wait(comm, comm.all_gather(header), ctx, f"{name} layout-check allgather").view(comm.world_size, 2).cpu().tolist()
+    if table[comm.rank] != header.tolist() or any(not 0 <= d < len(DTYPE_CODES) or n < 0 for n, d in table):
+        # gloo can hand back garbage instead of an error once a peer died: not a user error
+        raise RuntimeError(f"{what} returned a corrupt table (this rank's own row or a dtype code "
+                           f"is wrong): a peer died or disconnected; {advice()}")
     if any(row != table[0] for row in table):
         desc = [(n, str(DTYPE_CODES[d]) if 0 <= d < len(DTYPE_CODES) else d) for n, d in table]
-        raise ValueError(f"{name}: bucket {ctx.bucket} layout (numel, dtype) differs across ranks: "
+        raise ValueError(f"commpress: {name}: bucket {ctx.bucket} layout (numel, dtype) differs across ranks: "
                          f"{desc}; every rank must pass the same bucket sizes and dtypes")

@@ -38,7 +38,7 @@ import torch
 from compressors.hashrng import stream_key, uniform_into
 
 from . import cuda_kernels as cuda_dispatch
-from .base import Algorithm
+from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 
 __all__ = ["SharedScale", "shared_scale", "shared_scale_levels", "shared_scale_error_bound",
@@ -121,7 +121,7 @@ def _shared_scale(comm, compressor, x, ctx, store):
     xf = x if x.dtype == torch.float32 else x.float()
     local = compressor.chunk_absmax(xf)
     nch = local.numel()
-    scales = comm.all_gather(local).wait().view(world, nch).amax(0)  # intermediate round
+    scales = round_wait(comm, comm.all_gather(local), ctx, "shared_scale scale allgather round").view(world, nch).amax(0)  # intermediate round
 
     key = stream_key(ctx.seed, ctx.step, ctx.bucket ^ _STREAM_SALT, ctx.rank)
     # CUDA: one kernel scales, dithers, rounds and casts (same bits as the torch path below)

@@ -36,7 +36,7 @@ import torch
 
 
 from . import cuda_kernels as cuda_dispatch
-from .base import Algorithm
+from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
@@ -98,7 +98,7 @@ def _two_phase(comm, compressor, x, ctx, store):
         own[j * m:(j + 1) * m] = compressor.decompress(p, chunk_context(ctx, world, 1, j, rank))
     del payloads
 
-    recv = fut1.wait()  # intermediate round: waited here, see the module docstring
+    recv = round_wait(comm, fut1, ctx, "two_phase all_to_all round")  # intermediate round: see the module docstring
     ctx2 = chunk_context(ctx, world, 2, rank, rank)
     use_ef = _owner_ef(compressor)
     # CUDA + QSGD: one fused kernel reads every rank's chunk once, sums in rank order and

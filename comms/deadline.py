@@ -1,0 +1,286 @@
+"""Bounded waits: no rank of commpress waits longer than the timeout for a stuck or dead peer.
+
+Why this exists (issue 18). gloo bounds each collective by the process-group timeout once the
+collective *runs*, but a survivor can still wait forever:
+
+* DDP's reducer waits, without a timeout, on the futures the hook returned; a future whose
+  source is queued behind a stuck collective on gloo's worker threads, or whose peer never
+  issued its half, completes only when gloo gets to it — after ``T`` per queued op, or never;
+* ``torch.futures.Future.wait()`` has no timeout, and the intermediate rounds of multi-round
+  algorithms, the configuration check, the planner's probe and tuning allgathers block on it;
+* a Python exception raised in a ``Future.then`` callback reaches ``backward()`` wrapped as
+  ``Unable to cast Got the following error when running the callback: ...``.
+
+So every blocking wait of commpress goes through :func:`wait` (an ``Event`` with a timeout),
+and every step's DDP futures are watched by one process-wide :class:`Watchdog` thread that
+completes those still pending ``timeout`` seconds after the step's last bucket was issued
+with a :class:`CollectiveTimeout`. Neither adds a collective or a host sync: :func:`wait`
+replaces a wait that was already there, and the watchdog costs one list append per step.
+
+The timeout is the process group's (``init_process_group(timeout=...)``, read from the
+group's backend options) unless the user sets ``register(..., timeout=seconds)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+__all__ = ["CollectiveTimeout", "group_timeout", "check_timeout", "wait", "fail", "clean_message",
+           "advice", "failure", "timeout_error", "Watchdog", "WATCHDOG",
+           "Heartbeat", "HEARTBEAT"]
+
+logger = logging.getLogger(__name__)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the timeout: a peer is stuck, dead or far behind."""
+
+
+ADVICE = ("the process group cannot be used any more: stop training on every rank and restart "
+          "from the last checkpoint (torchrun --max-restarts restarts the job); if the peer was "
+          "only slow, raise init_process_group(timeout=...) or register(..., timeout=...)")
+
+
+def advice() -> str:
+    """What to do after a failed or timed-out collective (the tail of every such error)."""
+    return ADVICE
+
+
+def check_timeout(value) -> float | None:
+    """Validate a user ``timeout`` (seconds > 0, a ``timedelta``, or ``None``); seconds or None."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"timeout must be a positive number of seconds, a timedelta or None, got {value!r}")
+    return float(value)
+
+
+def group_timeout(group=None) -> float | None:
+    """The timeout of a torch.distributed process group in seconds (``None``: unknown)."""
+    import torch.distributed as dist
+
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        for dev in ("cpu", "cuda"):
+            try:
+                be = pg._get_backend(torch.device(dev))
+            except Exception:  # noqa: BLE001 - no backend for this device type
+                continue
+            t = getattr(getattr(be, "options", None), "_timeout", None)
+            if t is not None:
+                return t.total_seconds()
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_default_timeout(dist.get_backend(group)).total_seconds()
+    except Exception:  # noqa: BLE001 - private API moved: no bound rather than a crash
+        logger.debug("process-group timeout unknown", exc_info=True)
+        return None
+
+
+# torch wraps an exception raised in a Future callback as "Got the following error when running
+# the callback: <type>: <msg>\n\nAt:\n  <frames>", and DDP's result cast prefixes "Unable to cast"
+_WRAPPERS = re.compile(r"^(?:Unable to cast\s*)?(?:Got the following error when running the callback:\s*)?"
+                       r"(?:[A-Za-z_.]*(?:Error|Exception|Timeout):\s*)?")
+
+
+def clean_message(exc: BaseException) -> str:
+    """The message of ``exc`` without torch's callback wrapping and traceback tail."""
+    msg = str(exc)
+    prev = None
+    while prev != msg:
+        prev = msg
+        msg = _WRAPPERS.sub("", msg, count=1).strip()
+    msg = msg.split("\n\nAt:\n")[0]
+    msg = re.sub(r"\s*to Tensor$", "", msg)
+    return msg.strip()
+
+
+def failure(what: str, exc: BaseException) -> BaseException:
+    """One clean error for a failed collective, for DDP to raise from ``backward()``.
+
+    A commpress error (message starting ``commpress:``, possibly buried in torch's callback
+    wrapping) is passed on with its own wording (the first failure names the collective);
+    anything else becomes ``"<what> failed: <reason>"``. Both end with what to do."""
+    if isinstance(exc, (ValueError, TypeError)) and str(exc).startswith("commpress:"):
+        return exc  # a configuration error: its own advice
+    msg = clean_message(exc)
+    if not msg.startswith("commpress:"):
+        msg = f"{what} failed: {msg}"
+    if ADVICE not in msg:
+        msg = f"{msg}; {ADVICE}"
+    timed_out = isinstance(exc, CollectiveTimeout) or "did not complete within" in msg
+    return CollectiveTimeout(msg) if timed_out else RuntimeError(msg)
+
+
+def timeout_error(what: str, seconds: float) -> CollectiveTimeout:
+    return CollectiveTimeout(
+        f"{what} did not complete within {seconds:g} s: a peer rank is stuck (stopped, hung, "
+        f"deadlocked), dead, or far behind{_peers_hint()}; {ADVICE}")
+
+
+def _peers_hint() -> str:
+    peers = HEARTBEAT.silent()
+    return f" ({peers})" if peers else ""
+
+
+class Heartbeat:
+    """Which peers stopped answering: a daemon thread writes ``commpress/hb/<rank>`` (wall
+    time) into the default process group's store every ``period`` s once training started;
+    :meth:`silent` reads every rank's key (in a helper thread, bounded by ``read_timeout``)
+    and names the ranks whose last beat is older than ``3 * period``. Off the hot path: one
+    tiny store write per second per rank, never a collective."""
+
+    PREFIX = "commpress/hb/"
+
+    def __init__(self, period: float = 1.0, read_timeout: float = 1.5):
+        self.period, self.read_timeout = period, read_timeout
+        self._thread = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        import torch.distributed as dist
+
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            store, rank, world = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        except Exception:  # noqa: BLE001 - no default group / private API moved: no names
+            self._thread = False
+            return
+        self._store, self._rank, self._world = store, rank, world
+        self._thread = threading.Thread(target=self._beat, name="commpress-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        key = f"{self.PREFIX}{self._rank}"
+        while not self._stop.is_set():
+            try:
+                self._store.set(key, repr(time.time()))
+            except Exception:  # noqa: BLE001 - store gone (destroy_process_group, rank 0 dead)
+                return
+            self._stop.wait(self.period)
+
+    def silent(self) -> str:
+        """``"rank(s) [2] stopped answering 7 s ago"``-style text, or ``""`` when unknown."""
+        if not self._thread:
+            return ""
+        out: list = []
+
+        def read():
+            try:  # get() would wait for a key that was never set: check() first
+                keys = [f"{self.PREFIX}{r}" for r in range(self._world)]
+                there = [k for k in keys if self._store.check([k])]
+                got = dict(zip(there, self._store.multi_get(there))) if there else {}
+                out.append([float(got[k].decode()) if k in got else None for k in keys])
+            except Exception as exc:  # noqa: BLE001
+                out.append(exc)
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(self.read_timeout)
+        if not out or isinstance(out[0], Exception):
+            return ("the rendezvous store did not answer either: the rank hosting it (rank 0, "
+                    "MASTER_ADDR) may be the stuck or dead one")
+        now = time.time()
+        old = [(r, now - v) for r, v in enumerate(out[0]) if r != self._rank and v is not None
+               and now - v > 3 * self.period]
+        if not old:
+            return ""  # a kill is seen before its heartbeat ages: say nothing rather than guess
+        return "rank(s) %s stopped answering %s s ago" % (
+            [r for r, _ in old], "/".join(f"{a:.0f}" for _, a in old))
+
+
+HEARTBEAT = Heartbeat()
+
+
+def wait(fut: torch.futures.Future, timeout: float | None, what: str):
+    """``fut.wait()`` bounded by ``timeout`` seconds (``None``: unbounded).
+
+    Raises:
+        CollectiveTimeout: not complete in time (message starts with ``what``).
+        RuntimeError: the collective failed (``"<what> failed: <reason>; <advice>"``).
+    """
+    if timeout is not None and not fut.done():
+        done = threading.Event()
+        fut.add_done_callback(lambda _f: done.set())
+        if not done.wait(timeout):
+            raise timeout_error(what, timeout)
+    try:
+        return fut.wait()
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise failure(what, exc) from None
+
+
+def fail(fut: torch.futures.Future, exc: BaseException) -> bool:
+    """Complete ``fut`` with ``exc`` unless it is already complete (racing completions: the
+    watchdog and the collective's own callback); returns whether this call completed it."""
+    if fut.done():
+        return False
+    try:
+        fut.set_exception(exc)
+        return True
+    except RuntimeError:  # completed by the other thread in between
+        return False
+
+
+class Watchdog:
+    """One daemon thread per process that fires overdue deadlines.
+
+    :meth:`watch` registers ``(deadline, done, fire)``: unless ``done()`` is true by the
+    monotonic ``deadline``, the thread calls ``fire()`` once. The thread wakes every
+    ``poll`` seconds (and drops finished entries); it never touches a tensor or a collective.
+    """
+
+    def __init__(self, poll: float = 0.25):
+        self.poll = poll
+        self._lock = threading.Lock()
+        self._items: list = []
+        self._thread: threading.Thread | None = None
+
+    def watch(self, deadline: float, done: Callable[[], bool], fire: Callable[[], None]) -> None:
+        with self._lock:
+            self._items.append((deadline, done, fire))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="commpress-watchdog", daemon=True)
+                self._thread.start()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll)
+            now = time.monotonic()
+            with self._lock:
+                items, self._items = self._items, []
+            keep, due = [], []
+            for it in items:
+                try:
+                    finished = it[1]()
+                except Exception:  # noqa: BLE001
+                    finished = True
+                if finished:
+                    continue
+                (due if now >= it[0] else keep).append(it)
+            with self._lock:
+                self._items[:0] = keep
+            for _, _, fire in due:
+                try:
+                    fire()
+                except Exception:  # noqa: BLE001 - never kill the watchdog
+                    logger.exception("commpress watchdog: firing a deadline failed")
+
+
+WATCHDOG = Watchdog()

@@ -1,0 +1,69 @@
+"""comms.deadline: bounded waits, message cleaning, the watchdog, the timeout option."""
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import comms
+from comms.deadline import (ADVICE, CollectiveTimeout, Watchdog, check_timeout, clean_message,
+                            fail, failure, wait)
+
+
+def test_wait_times_out_with_a_named_error():
+    fut = torch.futures.Future()
+    with pytest.raises(CollectiveTimeout) as info:
+        wait(fut, 0.05, "commpress: x allgather of bucket 3 (10 x float32) at step 7 on rank 1 of 3")
+    msg = str(info.value)
+    assert msg.startswith("commpress: x allgather of bucket 3") and "did not complete within 0.05 s" in msg
+    assert ADVICE in msg
+
+
+def test_wait_returns_the_value_and_cleans_failures():
+    fut = torch.futures.Future()
+    threading.Timer(0.02, lambda: fut.set_result(torch.ones(2))).start()
+    assert torch.equal(wait(fut, 5.0, "commpress: w"), torch.ones(2))
+    bad = torch.futures.Future()
+    chained = bad.then(lambda f: (_ for _ in ()).throw(RuntimeError("gloo: Connection closed by peer")))
+    bad.set_result(1)
+    with pytest.raises(RuntimeError) as info:
+        wait(chained, 1.0, "commpress: dense allreduce of bucket 0 (4 x float32) at step 2 on rank 0 of 2")
+    msg = str(info.value)
+    assert msg.startswith("commpress: dense allreduce of bucket 0") and "failed: gloo: Connection closed by peer" in msg
+    assert "Got the following error" not in msg and "\n" not in msg and msg.count("commpress:") == 1
+
+
+def test_clean_message_unwraps_torch_and_ddp_wording():
+    raw = ("Unable to cast Got the following error when running the callback: RuntimeError: "
+           "commpress: a failed\n\nAt:\n  /x.py(1): f\n to Tensor")
+    assert clean_message(RuntimeError(raw)) == "commpress: a failed"
+    ours = failure("commpress: b", RuntimeError(raw))
+    assert str(ours) == f"commpress: a failed; {ADVICE}"  # the first failure's wording wins
+    assert str(failure("commpress: b", ours)) == str(ours)  # no doubled advice or prefix
+
+
+def test_fail_completes_once():
+    fut = torch.futures.Future()
+    assert fail(fut, RuntimeError("commpress: first"))
+    assert not fail(fut, RuntimeError("commpress: second"))
+    with pytest.raises(RuntimeError, match="first"):
+        fut.wait()
+
+
+def test_watchdog_fires_only_overdue_unfinished_entries():
+    dog = Watchdog(poll=0.01)
+    fired = []
+    dog.watch(time.monotonic() + 0.05, lambda: False, lambda: fired.append("late"))
+    dog.watch(time.monotonic() + 0.05, lambda: True, lambda: fired.append("done"))
+    time.sleep(0.3)
+    assert fired == ["late"] and dog.pending() == 0
+
+
+def test_timeout_option_validated_before_communication():
+    assert check_timeout(None) is None and check_timeout(timedelta(seconds=3)) == 3.0
+    for bad in (0, -1, "5", True, float("inf")):
+        with pytest.raises(ValueError, match="timeout must be"):
+            comms.CompressionState("fp16", algorithm="allreduce", timeout=bad)
+    assert comms.CompressionState("fp16", algorithm="allreduce", timeout=2.5).timeout == 2.5
