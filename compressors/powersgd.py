@@ -307,6 +307,7 @@ class PowerSGD(Compressor):
 
     def compress(self, x, ctx):
         check_input(x)
+        x = x.detach()  # the decode writes with out= ops, which autograd refuses
         shapes = ctx.known_shapes()
         if shapes:
             plan = self.layer_plan(shapes)
@@ -350,6 +351,7 @@ class PowerSGD(Compressor):
     def first_round(self, x, ctx, store) -> "PowerRound | None":
         """``P = M Q`` (``Q`` warm-started from ``store``); ``None``: the bucket goes dense."""
         check_input(x)
+        x = x.detach()
         shapes = ctx.known_shapes()
         if shapes:
             plan = self.layer_plan(shapes)

@@ -177,16 +177,7 @@ def test_decompress_into_odd_outputs():
         q.decompress_into(p, ctx, torch.empty(999))
 
 
-def _grad_cases():
-    # known gap, left for the PowerSGD owner: its rank-reproducible decode
-    # (compressors.reproducible.outer_sum_into) writes with out=, which autograd refuses when
-    # the input requires grad. DDP's gradient buckets never do; strict, so a fix shows up here.
-    gap = pytest.mark.xfail(strict=True, raises=RuntimeError,
-                            reason="PowerSGD decode uses out= ops that autograd refuses")
-    return [pytest.param(c, marks=gap) if c.name == "powersgd" else c for c in instances()]
-
-
-@pytest.mark.parametrize("c", _grad_cases(), ids=IDS)
+@pytest.mark.parametrize("c", instances(), ids=IDS)
 def test_inputs_that_require_grad(c):
     x = _x(5000, torch.float32, seed=4)
     xg = x.clone().requires_grad_(True)
