@@ -423,8 +423,8 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None,
         raise TypeError(f"register() needs an nn.Module, got {type(model).__name__}")
     if _is_fsdp1(model):
         raise TypeError("commpress FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard); this "
-                        "model holds an FSDP1 FullyShardedDataParallel — for FSDP1 use "
-                        "comms.register on DDP, or move to fully_shard")
+                        "model holds an FSDP1 FullyShardedDataParallel, which is not supported: "
+                        "apply fully_shard (FSDP2) instead")
     state = FSDPCompressionState(compressor, replicate_group=replicate_group, error_feedback=error_feedback,
                                  algorithm=algorithm, seed=seed, start_iter=start_iter)
     mods = fsdp_modules(model)
