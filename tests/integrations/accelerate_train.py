@@ -43,7 +43,7 @@ def main(out):
     model = make(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = acc.prepare(model, opt)
-    state = register(acc, model, "sign", start_iter=1)
+    state = register(acc, model, "sign", start_iter=1, algorithm="allgather")
     steps(acc, model, opt, 0, 4)
     acc.save_state(ckpt)
     steps(acc, model, opt, 4, 8)
@@ -55,7 +55,7 @@ def main(out):
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
     model2, opt2 = acc2.prepare(model2, opt2)
     compiled = torch.compile(model2, backend="eager")  # the helper looks through compile
-    state2 = register(acc2, compiled, "sign", start_iter=1)
+    state2 = register(acc2, compiled, "sign", start_iter=1, algorithm="allgather")
     acc2.load_state(ckpt)
     resumed_iter = state2.iter
     steps(acc2, model2, opt2, 4, 8)
