@@ -281,7 +281,17 @@ def _wait(fut, what: str):
 
 class CompressedReduceScatter(ReduceScatter):
     """The FSDP-mode reduce-scatter of one module (an FSDP ``ReduceScatter``; see the module
-    docstring). Built by :func:`register`; one instance per FSDP module."""
+    docstring). Built by :func:`register`; one instance per FSDP module.
+
+    ``__call__(output, input, group, op)`` is synchronous (FSDP calls it with
+    ``async_op=False`` and reads ``output`` right after): it waits for its ``all_to_all``.
+
+    Example::
+
+        >>> rs = CompressedReduceScatter(state, index=0)
+        >>> out = rs.allocate((m,), dtype=torch.float32, device="cpu")
+        >>> rs(out, flat_grad, group, dist.ReduceOp.SUM)   # out: this rank's summed shard
+    """
 
     def __init__(self, state: FSDPCompressionState, index: int):
         self.state, self.index = state, index
@@ -290,6 +300,8 @@ class CompressedReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if async_op:
+            raise ValueError("commpress FSDP reduce-scatter is synchronous; async_op=True is not supported")
         st, idx = self.state, self.index
         comm = st.comm_for(group)
         world, rank = comm.world_size, comm.rank
@@ -337,7 +349,12 @@ class CompressedReduceScatter(ReduceScatter):
 
 class ReplicateAllReduce:
     """The HSDP-mode ``set_all_reduce_hook`` hook of one module: compressed all-reduce (sum)
-    of the reduce-scatter output across the replicate group; FSDP divides afterwards."""
+    of the reduce-scatter output across the replicate group; FSDP divides afterwards.
+
+    Example::
+
+        >>> module.set_all_reduce_hook(ReplicateAllReduce(state, index=0))
+    """
 
     def __init__(self, state: FSDPCompressionState, index: int):
         self.state, self.index = state, index

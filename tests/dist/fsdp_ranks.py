@@ -218,3 +218,18 @@ def error_cases(rank, world):
     final = [type(g._reduce_scatter_comm).__name__ for _, mm in comms.fsdp.fsdp_modules(model)
              for g in mm._get_fsdp_state()._fsdp_param_groups]
     return {"errs": errs, "before": before, "after": after, "multi_first": multi_first, "final": final}
+
+
+def config_mismatch(rank, world):
+    """Rank 1 uses another seed: every rank raises ValueError naming the field, before data moves."""
+    from comms.fsdp import CompressedReduceScatter, FSDPCompressionState
+
+    st = FSDPCompressionState("sign", seed=rank)
+    st.modules = ["layer"]
+    rs = CompressedReduceScatter(st, 0)
+    x = torch.randn(world * 8)
+    try:
+        rs(torch.empty(8), x, None, dist.ReduceOp.SUM)
+    except ValueError as exc:
+        return {"error": str(exc), "steps": dict(st.steps), "residuals": len(st.memory.residuals)}
+    return {"error": None}

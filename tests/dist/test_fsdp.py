@@ -103,3 +103,10 @@ def test_hsdp_replicas_bitwise_equal_at_4_ranks():
     for r in res:  # identity through our replicate all-reduce == torch's native HSDP, bitwise
         assert torch.equal(r["native"]["local"], r["identity"]["local"])
         assert r["sign"]["residual_bytes"] > 0 and r["qsgd:bits=4"]["residual_bytes"] == 0
+
+
+def test_config_mismatch_raises_on_every_rank_before_data_moves():
+    res = spawn(F.config_mismatch, 2, timeout=300)
+    for r in res:
+        assert r["error"] is not None and "seed" in r["error"], r
+        assert r["steps"] == {} and r["residuals"] == 0  # nothing applied
