@@ -13,7 +13,9 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	@# torch first, pinned, so no range ever pulls a multi-GB CUDA build
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e ".[test,bench,mpi]"
+	@# the installed torch is pinned in the same command: no extra (lightning, accelerate) may replace it
+	$(VPY) -m pip install -q -e ".[test,bench,mpi,integrations]" \
+		"torch==$$($(VPY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -31,4 +31,8 @@ from .buckets import suggest_bucket_cap_mb, suggest_bucket_cap_mb_list  # noqa: 
 __all__ += ["Topology", "TieredCommunicator", "CostModel", "Planner", "suggest_bucket_cap_mb",
             "suggest_bucket_cap_mb_list"]
 
+from . import fsdp  # noqa: E402  (comms.fsdp.register: FSDP2 / HSDP)
+
+__all__ += ["fsdp"]
+
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
-__all__ = ["TwoPhase", "two_phase", "chunk_context", "two_phase_error_bound"]
+__all__ = ["TwoPhase", "two_phase", "chunk_context", "scatter_send", "decode_sum", "two_phase_error_bound"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,33 +71,73 @@ def _owner_ef(compressor) -> bool:
     return not compressor.unbiased
 
 
-def _two_phase(comm, compressor, x, ctx, store):
-    """Two-phase compressed allreduce of flat ``x``; see the module docstring."""
+def _need_fixed_size(compressor) -> None:
     if not compressor.fixed_size:
         raise TypeError(f"two_phase needs a fixed-size compressor (equal chunk payloads); "
                         f"{compressor.spec()!r} is variable-size")
-    world, rank, n = comm.world_size, comm.rank, x.numel()
-    check_same_layout(comm, "two_phase", ctx)
-    m = -(-n // world)
 
-    # phase 1: compress every chunk with this rank's private streams, exchange
+
+def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
+    """Phase 1 of the scatter-reduce: compress ``x``'s ``W`` chunks, start the ``all_to_all``.
+
+    Chunk ``j`` is compressed with this rank's private stream of
+    ``chunk_context(ctx, W, 1, j, rank)`` and sent to rank ``j``. ``tail``: optional uint8
+    bytes appended to every destination's payload (the FSDP reduce-scatter sends its
+    non-finite flag this way: no extra collective).
+
+    Returns:
+        ``(fut, own, layout, nb, stride)``: the future of the received bytes (rank ``i``'s
+        payload for this rank's chunk at ``[i * stride, i * stride + nb)``, its tail after
+        it), this rank's decoded chunks (``W * m`` elements, for first-stage error feedback),
+        the payload layout and byte sizes.
+    """
+    _need_fixed_size(compressor)
+    world, rank, n = comm.world_size, comm.rank, x.numel()
+    m = -(-n // world)
     payloads = [compressor.compress(_chunk(x, j, m), chunk_context(ctx, world, 1, j, rank))
                 for j in range(world)]
     layout = layout_of(payloads[0])
     nb = nbytes_of(layout)
     if any(layout_of(p) != layout for p in payloads[1:]):
         raise RuntimeError(f"{compressor.spec()} produced unequal chunk payloads; two_phase needs equal ones")
-    send = torch.empty(world * nb, dtype=torch.uint8, device=x.device)
+    stride = nb + (0 if tail is None else tail.numel())
+    send = torch.empty(world * stride, dtype=torch.uint8, device=x.device)
+    rows = send.view(world, stride)
     for j, p in enumerate(payloads):
-        to_bytes(p, out=send[j * nb:(j + 1) * nb])
-    fut1 = comm.all_to_all(send)
+        to_bytes(p, out=rows[j, :nb])
+    if tail is not None:
+        rows[:, nb:] = tail
+    fut = comm.all_to_all(send)
 
     # while the exchange is in flight: this rank's decoded contribution, for first-stage EF
     own = torch.empty(world * m, dtype=ctx.dtype, device=x.device)
     for j, p in enumerate(payloads):
         own[j * m:(j + 1) * m] = compressor.decompress(p, chunk_context(ctx, world, 1, j, rank))
-    del payloads
+    return fut, own, layout, nb, stride
 
+
+def decode_sum(compressor, recv: torch.Tensor, layout, nb: int, stride: int, ctx, world: int,
+               rank: int) -> torch.Tensor:
+    """The owner's sum of chunk ``rank``: decode every rank's payload and add them **in rank
+    order** into zeros (fp32, fp64 for fp64 buckets) — one summation order on every run."""
+    m = -(-ctx.numel // world)
+    acc_dtype = _acc_dtype(ctx.dtype)
+    acc = torch.zeros(m, dtype=acc_dtype, device=recv.device)
+    for i in range(world):
+        compressor.decompress_add_(from_bytes(recv[i * stride:i * stride + nb], layout),
+                                   chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
+    return acc
+
+
+def _two_phase(comm, compressor, x, ctx, store):
+    """Two-phase compressed allreduce of flat ``x``; see the module docstring."""
+    _need_fixed_size(compressor)
+    world, rank, n = comm.world_size, comm.rank, x.numel()
+    check_same_layout(comm, "two_phase", ctx)
+    m = -(-n // world)
+
+    # phase 1: compress every chunk with this rank's private streams, exchange
+    fut1, own, layout, nb, _ = scatter_send(comm, compressor, x, ctx)
     recv = round_wait(comm, fut1, ctx, "two_phase all_to_all round")  # intermediate round: see the module docstring
     ctx2 = chunk_context(ctx, world, 2, rank, rank)
     use_ef = _owner_ef(compressor)
@@ -106,13 +146,9 @@ def _two_phase(comm, compressor, x, ctx, store):
     p2 = (cuda_dispatch.two_phase_qsgd_owner(compressor, recv, world, m, ctx2)
           if recv.is_cuda and not use_ef else None)
     if p2 is None:
-        acc_dtype = _acc_dtype(ctx.dtype)
-        acc = torch.zeros(m, dtype=acc_dtype, device=x.device)
-        for i in range(world):  # rank order: one floating-point summation order
-            compressor.decompress_add_(from_bytes(recv[i * nb:(i + 1) * nb], layout),
-                                       chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
+        acc = decode_sum(compressor, recv, layout, nb, nb, ctx, world, rank)
         del recv
-        owner_in = acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
+        owner_in = acc if acc.dtype == ctx.dtype else acc.to(ctx.dtype)
         if use_ef:
             res = store.get(_RESIDUAL)
             if res is not None and (res.numel() != m or res.dtype != ctx.dtype or res.device != x.device):
