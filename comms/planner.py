@@ -155,6 +155,7 @@ class Planner:
         then let the autotuner pick this step's rule (its decision ends in one collective).
         """
         now = time.perf_counter()  # first: the step's clock must not include our probes
+        self._step = step
         self._seen_prev, self._seen_cur = self._seen_cur, []
         if step < start_iter or not self.ready:
             return
@@ -178,7 +179,8 @@ class Planner:
 
     def _agree(self, values: list[float]) -> list[float]:
         return allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64),
-                             f"commpress: autotune timing MAX-allgather on rank {self.comm.rank} of {self.comm.world_size}").tolist()
+                             f"commpress: autotune timing MAX-allgather at step {getattr(self, '_step', '?')} "
+                             f"on rank {self.comm.rank} of {self.comm.world_size}").tolist()
 
     def _propose(self, keys) -> list[str]:
         """Compressed rules, best predicted first, distinct on the given buckets."""

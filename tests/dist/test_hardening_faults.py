@@ -137,9 +137,10 @@ def test_dead_or_stuck_rank_raises_within_timeout(how, pg_timeout):
     for r in (0, 1):
         out = res[r]
         assert out["step"] == 3, out
-        assert out["type"] == "RuntimeError", out
+        assert out["type"] in ("RuntimeError", "CollectiveTimeout"), out  # CollectiveTimeout is one
         msg = out["msg"]
-        assert "commpress:" in msg and "bucket" in msg and "step 3" in msg, msg
+        # a bucket's collective, or the tuner's timing agreement (auto is tuning at step 3)
+        assert "commpress:" in msg and ("bucket" in msg or "autotune" in msg) and "step 3" in msg, msg
         assert "collective" in msg or "allreduce" in msg or "allgather" in msg, msg
         assert out["seconds"] < pg_timeout + 10, out
     assert time.monotonic() - t0 < 80
