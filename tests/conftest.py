@@ -12,13 +12,21 @@ for p in (*(os.path.join(TESTS, d) for d in ("unit", "gpu", "mpi", "netsim", "em
 os.environ.setdefault("PYTHONPATH", ROOT)
 
 
+# markers whose tests run only when selected with -m: longrun (500-step soak; CI's second
+# pytest call selects it) and stuck_matrix (every algorithm x phase x stop/kill, minutes)
+OPT_IN = {"longrun": "longrun soak test: run with `pytest -m longrun` (CI does)",
+          "stuck_matrix": "stuck-rank matrix: run with `pytest -m stuck_matrix` (bench/stuck_rank.py prints it as a table)"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """``longrun`` soak tests run only when asked for (``pytest -m longrun``, as CI does)."""
+    """Opt-in markers (:data:`OPT_IN`) run only when ``-m`` names them."""
     import pytest
 
-    if "longrun" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="longrun soak test: run with `pytest -m longrun` (CI does)")
-    for item in items:
-        if "longrun" in item.keywords:
-            item.add_marker(skip)
+    selected = config.getoption("-m") or ""
+    for marker, why in OPT_IN.items():
+        if marker in selected:
+            continue
+        skip = pytest.mark.skip(reason=why)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -2,7 +2,7 @@
 step; every survivor's backward() raises within the timeout, with commpress's own message.
 
 The fast run covers the multi-round and the fixed-size gather algorithms and auto during
-tuning; ``-m slow`` runs every algorithm and every auto phase (``bench/stuck_rank.py`` prints
+tuning; ``-m stuck_matrix`` runs every algorithm and every auto phase (``bench/stuck_rank.py`` prints
 the same matrix as a table)."""
 
 import pytest
@@ -39,7 +39,7 @@ def test_every_survivor_raises(case, how):
     _check(case, how, run_one(case, how, pg_timeout=PG_TIMEOUT, slack=SLACK, seed=0))
 
 
-@pytest.mark.slow
+@pytest.mark.stuck_matrix
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["stop", "kill"])
 @pytest.mark.parametrize("case", [c for c in CASES if c not in FAST_CASES], ids=repr)
