@@ -37,7 +37,27 @@ _PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
-                 "min_compress_numel", "step", "numel", "dtype")
+                 "min_compress_numel", "step", "numel", "dtype", "momentum", "clip_norm")
+
+
+def _check_momentum(momentum):
+    if momentum is None:
+        return None
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise TypeError(f"momentum must be a number in [0, 1) or None, got {momentum!r}")
+    if not (0.0 <= float(momentum) < 1.0):
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    return float(momentum)
+
+
+def _check_clip(clip_norm):
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+        raise TypeError(f"clip_norm must be a positive number or None, got {clip_norm!r}")
+    if not (float(clip_norm) > 0.0 and float(clip_norm) < float("inf")):
+        raise ValueError(f"clip_norm must be a finite number > 0, got {clip_norm!r}")
+    return float(clip_norm)
 
 
 def _hash64(value) -> int:
@@ -95,6 +115,25 @@ class CompressionState:
         autotune: with ``algorithm="auto"``: time the best few plans on real steps and lock in
             the fastest (:mod:`comms.autotune`); ``False``: the cost model's choice is final.
         autotune_steps: steps per autotune trial (>= 2).
+        momentum: Deep Gradient Compression's momentum correction (Lin et al., ICLR'18): the
+            hook keeps each rank's SGD velocity ``u <- momentum * u + g`` per bucket and
+            compresses ``u`` (plus the error-feedback residual), so what error feedback delays
+            is the velocity itself and is not amplified again by an optimizer's momentum. The
+            optimizer **must then run with momentum 0** (same ``lr``; the pairing is checked by
+            :func:`comms.check_optimizer` and by ``register(..., optimizer=opt)``, which takes
+            the momentum over from ``opt``). With a lossless compressor this is exactly SGD with
+            momentum (dampening 0, no Nesterov). ``None`` (default): off — then an optimizer's
+            momentum meets error feedback, which diverges for aggressive biased compressors
+            (README, Convergence).
+        momentum_masking: with ``momentum``, zero the velocity where a sparsifier (top-k,
+            random-k) sent a value (DGC's momentum factor masking): the sent coordinate's mass
+            left with its residual, so its stale momentum must not keep pushing. Compressors
+            that send every coordinate (sign, QSGD) are never masked. Default ``True``.
+        clip_norm: local gradient clipping (DGC): each rank scales its share of every bucket
+            so that the bucket's L2 norm is at most ``clip_norm / world`` before momentum and
+            error feedback, i.e. the averaged bucket gradient has norm <= ``clip_norm``. Per
+            bucket (the hook sees one bucket at a time), private arithmetic before the
+            collective, no host sync. ``None``: off.
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -113,7 +152,8 @@ class CompressionState:
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
         "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layout_tracker", "param_names", "nonfinite_buckets", "config_check",
-        "flags", "_warned_nonfinite", "replica_guard", "__weakref__",
+        "flags", "_warned_nonfinite", "replica_guard", "momentum", "momentum_masking",
+        "clip_norm", "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
@@ -122,7 +162,9 @@ class CompressionState:
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
-                 min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 3):
+                 min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 3,
+                 momentum: float | None = None, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
@@ -137,6 +179,10 @@ class CompressionState:
             raise TypeError(f"min_compress_numel must be an int, got {min_compress_numel!r}")
         if min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {min_compress_numel!r}")
+        momentum = _check_momentum(momentum)
+        clip_norm = _check_clip(clip_norm)
+        if not isinstance(momentum_masking, bool):
+            raise TypeError(f"momentum_masking must be True or False, got {momentum_masking!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             hint = " (for a DeviceMesh pass mesh.get_group(dim))" if "Mesh" in type(process_group).__name__ else ""
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
@@ -192,6 +238,9 @@ class CompressionState:
         self.nonfinite_buckets = 0
         self._warned_nonfinite = False
         self.replica_guard = None    # comms.replicas.ReplicaGuard, set by register()
+        self.momentum = momentum
+        self.momentum_masking = momentum_masking
+        self.clip_norm = clip_norm
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -227,7 +276,13 @@ class CompressionState:
         """The values of :data:`CONFIG_FIELDS` for one bucket (what all ranks must agree on)."""
         return (self.compressor.spec(), self.algorithm_for(bucket_index, numel, dtype), self.seed,
                 self.start_iter, self.error_feedback, self.min_compress_numel, step, numel,
-                str(dtype))
+                str(dtype), self.momentum, self.clip_norm)
+
+    @property
+    def local_transform(self) -> bool:
+        """True when the hook changes each rank's gradient before the collective (momentum
+        correction or clipping): then every bucket, the dense ones too, goes through it."""
+        return self.momentum is not None or self.clip_norm is not None
 
     def config_hash(self, bucket_index: int, numel: int, dtype: torch.dtype, step: int) -> list[int]:
         """One process-independent int64 per config field."""
@@ -256,7 +311,8 @@ class CompressionState:
         return self.algo_store.setdefault(bucket, {})
 
     def reset_bucket(self, bucket: int) -> None:
-        """Forget a bucket's residual and algorithm store (layout change, non-finite values)."""
+        """Forget a bucket's residual, velocity and algorithm store (layout change, non-finite
+        values)."""
         self.memory.reset(bucket)
         self.algo_store.pop(bucket, None)
 
@@ -284,7 +340,8 @@ class CompressionState:
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and numbers (``torch.load(weights_only=True)`` can read it).
 
-        Holds the iteration counter, residuals, every algorithm store and the bucket layouts.
+        Holds the iteration counter, residuals, momentum-correction velocities, every
+        algorithm store, the bucket layouts and the options they were made with.
         Residuals are per rank: save one file per rank.
 
         Example::
@@ -299,6 +356,9 @@ class CompressionState:
             "compressor": self.compressor.spec(),
             "algorithm": self.algorithm,
             "error_feedback": self.error_feedback,
+            "momentum": self.momentum,
+            "momentum_masking": self.momentum_masking,
+            "clip_norm": self.clip_norm,
             "memory": self.memory.state_dict(),
             "algo_store": {int(b): _plain(d, f"algo_store[{b}]") for b, d in self.algo_store.items()},
             "layouts": {int(b): [str(k) for k in lay] for b, lay in self.layouts.items()},
@@ -311,7 +371,8 @@ class CompressionState:
         """Restore :meth:`state_dict` (this rank's own file). Validates before changing anything.
 
         Raises:
-            ValueError: saved with a different compressor or algorithm.
+            ValueError: saved with a different compressor, algorithm, momentum,
+                momentum_masking or clip_norm.
         """
         if not isinstance(sd, dict) or "iter" not in sd:
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
@@ -322,6 +383,10 @@ class CompressionState:
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this hook uses {self.algorithm!r}")
+        for key in ("momentum", "momentum_masking", "clip_norm"):
+            if sd.get(key, getattr(self, key)) != getattr(self, key):
+                raise ValueError(f"state was saved with {key}={sd[key]!r}, this hook uses "
+                                 f"{key}={getattr(self, key)!r}")
         if self.algorithm == "auto" and sd.get("planner") is not None:
             self.planner.load_state_dict(sd["planner"])  # validates before changing anything
         self.iter = int(sd["iter"])

@@ -272,6 +272,9 @@ class Compressor:
         lossless: decompress(compress(x)) == x exactly.
         fixed_size: payload shapes depend only on ``ctx.numel`` (no size exchange needed).
         unbiased: E[decompress(compress(x))] == x over the hash-RNG streams.
+        sparsifies: decompress is zero wherever no value was sent (top-k, random-k): the
+            hook's momentum factor masking zeroes the velocity at the nonzeros of a rank's own
+            decoded payload.
         allreduce_rounds: 1: one payload summed by one allreduce (the linear family's
             default); 2: the power-iteration protocol of :class:`compressors.PowerSGD`
             (``first_round``, ``second_round``, ``decode_round``, ``keep``).
@@ -286,6 +289,7 @@ class Compressor:
     lossless: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
     unbiased: ClassVar[bool] = False
+    sparsifies: ClassVar[bool] = False
     allreduce_rounds: ClassVar[int] = 1
 
     #: elements per block in blocked fast paths (a power of two >= 8); None: block_elems(device)

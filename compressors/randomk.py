@@ -65,6 +65,7 @@ class RandomK(Compressor):
 
     name = "randomk"
     families = ("allreduce", "allgather")
+    sparsifies = True
 
     def __init__(self, density: float = 0.01, seed: int = 0):
         self.density = check_density(density)

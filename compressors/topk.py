@@ -35,6 +35,7 @@ class TopK(Compressor):
 
     name = "topk"
     families = ("allgather", "two_phase")
+    sparsifies = True
 
     def __init__(self, density: float = 0.01, exact: bool = True, sample: float = 0.01):
         self.density = check_density(density)
