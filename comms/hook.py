@@ -113,7 +113,14 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     x.div_(world)
     _local_(state, index, x)
     if state.error_feedback:
-        state.memory.add_residual_(index, x)
+        bound = state.residual_bound
+        if bound is None:
+            state.memory.add_residual_(index, x)
+        else:  # x + r scaled down to at most bound * |x|: mass beyond it is dropped
+            fresh = torch.linalg.vector_norm(x, dtype=torch.float32)
+            state.memory.add_residual_(index, x)
+            total = torch.linalg.vector_norm(x, dtype=torch.float32)
+            x.mul_(torch.clamp(bound * fresh / (total + 1e-30), max=1.0).to(x.dtype))
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm

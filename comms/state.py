@@ -37,7 +37,7 @@ _PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
-                 "min_compress_numel", "step", "numel", "dtype", "momentum", "clip_norm")
+                 "min_compress_numel", "step", "numel", "dtype", "momentum", "clip_norm", "residual_bound")
 
 
 def _check_momentum(momentum):
@@ -134,6 +134,13 @@ class CompressionState:
             error feedback, i.e. the averaged bucket gradient has norm <= ``clip_norm``. Per
             bucket (the hook sees one bucket at a time), private arithmetic before the
             collective, no host sync. ``None``: off.
+        residual_bound: bound the error-feedback input ``x + r`` to ``residual_bound * |x|``
+            (L2, per bucket; ``x`` the fresh gradient or velocity), dropping the mass beyond it.
+            Random-k's residual holds ~``1/density`` steps of velocity that leave together — a
+            step ``1/density`` times too late, which SGD momentum 0.9 at lr 0.05 turns into
+            divergence (bench/results/convergence.md, momentum task); the bound keeps it a
+            bounded multiple of the fresh update. ``"auto"`` (default): the compressor's
+            ``default_residual_bound`` (10 for random-k, none for the others); ``None``: off.
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -153,7 +160,7 @@ class CompressionState:
         "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layout_tracker", "param_names", "nonfinite_buckets", "config_check",
         "flags", "_warned_nonfinite", "replica_guard", "momentum", "momentum_masking",
-        "clip_norm", "__weakref__",
+        "clip_norm", "residual_bound", "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
@@ -164,7 +171,7 @@ class CompressionState:
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
                  min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 3,
                  momentum: float | None = None, momentum_masking: bool = True,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = None, residual_bound: "float | str | None" = "auto"):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
@@ -181,6 +188,14 @@ class CompressionState:
             raise ValueError(f"min_compress_numel must be >= 0, got {min_compress_numel!r}")
         momentum = _check_momentum(momentum)
         clip_norm = _check_clip(clip_norm)
+        if residual_bound == "auto":
+            residual_bound = getattr(self.compressor, "default_residual_bound", None)
+        if residual_bound is not None:
+            if isinstance(residual_bound, bool) or not isinstance(residual_bound, (int, float)) \
+                    or not (1.0 <= float(residual_bound) < float("inf")):
+                raise ValueError(f"residual_bound must be 'auto', None or a finite number >= 1, "
+                                 f"got {residual_bound!r}")
+            residual_bound = float(residual_bound)
         if not isinstance(momentum_masking, bool):
             raise TypeError(f"momentum_masking must be True or False, got {momentum_masking!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -241,6 +256,7 @@ class CompressionState:
         self.momentum = momentum
         self.momentum_masking = momentum_masking
         self.clip_norm = clip_norm
+        self.residual_bound = residual_bound
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -276,7 +292,7 @@ class CompressionState:
         """The values of :data:`CONFIG_FIELDS` for one bucket (what all ranks must agree on)."""
         return (self.compressor.spec(), self.algorithm_for(bucket_index, numel, dtype), self.seed,
                 self.start_iter, self.error_feedback, self.min_compress_numel, step, numel,
-                str(dtype), self.momentum, self.clip_norm)
+                str(dtype), self.momentum, self.clip_norm, self.residual_bound)
 
     @property
     def local_transform(self) -> bool:
@@ -359,6 +375,7 @@ class CompressionState:
             "momentum": self.momentum,
             "momentum_masking": self.momentum_masking,
             "clip_norm": self.clip_norm,
+            "residual_bound": self.residual_bound,
             "memory": self.memory.state_dict(),
             "algo_store": {int(b): _plain(d, f"algo_store[{b}]") for b, d in self.algo_store.items()},
             "layouts": {int(b): [str(k) for k in lay] for b, lay in self.layouts.items()},
@@ -372,7 +389,7 @@ class CompressionState:
 
         Raises:
             ValueError: saved with a different compressor, algorithm, momentum,
-                momentum_masking or clip_norm.
+                momentum_masking, clip_norm or residual_bound.
         """
         if not isinstance(sd, dict) or "iter" not in sd:
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
@@ -383,7 +400,7 @@ class CompressionState:
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this hook uses {self.algorithm!r}")
-        for key in ("momentum", "momentum_masking", "clip_norm"):
+        for key in ("momentum", "momentum_masking", "clip_norm", "residual_bound"):
             if sd.get(key, getattr(self, key)) != getattr(self, key):
                 raise ValueError(f"state was saved with {key}={sd[key]!r}, this hook uses "
                                  f"{key}={getattr(self, key)!r}")
