@@ -30,7 +30,7 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, ScaledCodesDecoder, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
+from .base import Compressor, ScaledCodesDecoder, check_align, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import check_bits, pack, packed_nbytes, unpack
 from .cuda import dispatch as cuda_dispatch
 from .hashrng import add_uniform_, stream_key
@@ -123,6 +123,10 @@ class QSGD(ScaledCodesDecoder):
     Args:
         bits: 1, 2, 4 or 8 bits per element on the wire.
         chunk: elements per scale (one fp32 scale per chunk).
+        align: ``"tensor"`` (default): with the bucket's parameter shapes known, the chunks
+            restart at every tensor (:class:`~compressors.base.ScaledCodesDecoder`);
+            ``"flat"``: chunks of the flat bucket. The ``shared_scale`` algorithm always uses
+            flat chunks (its scales are agreed before the integer allreduce).
     """
 
     _cuda_decompress = cuda_dispatch.qsgd_decompress
@@ -132,12 +136,18 @@ class QSGD(ScaledCodesDecoder):
     families = ("allgather", "two_phase", "shared_scale")  # shared_scale: comms.algorithms.shared_scale
     unbiased = True
 
-    def __init__(self, bits: int = 8, chunk: int = 2048):
+    def __init__(self, bits: int = 8, chunk: int = 2048, align: str = "tensor"):
         self.bits = check_bits(bits)
         self.chunk = check_chunk(chunk)
+        self.align = check_align(align)
+
+    @property
+    def code_bits(self) -> int:
+        return self.bits
 
     def config(self):
-        return {"bits": self.bits, "chunk": self.chunk}
+        # align only when not the default: specs (and checkpoints) from before issue 17 read the same
+        return {"bits": self.bits, "chunk": self.chunk} | ({"align": self.align} if self.align != "tensor" else {})
 
     @property
     def levels(self) -> int:
@@ -153,7 +163,7 @@ class QSGD(ScaledCodesDecoder):
         return per_chunk.repeat_interleave(self.chunk)[:n]
 
     # -- encode -------------------------------------------------------------------------
-    def compress(self, x, ctx):
+    def _compress_flat(self, x, ctx):
         check_input(x)
         # CUDA tensors take the csrc/ kernels when CuPy is there (same bits as this path)
         if x.is_cuda and (out := cuda_dispatch.qsgd_compress(self, x.detach(), ctx)) is not None:
