@@ -275,6 +275,10 @@ def train(task, cfg, args, rank: int, world: int) -> list[tuple[int, float]]:
 def rank_main(rank: int, world: int, args):
     configs, skipped = _common.hook_configs(auto_specs=AUTO_SPECS)
     configs = _common.filter_configs(configs, args.hooks)
+    if args.specs:  # dense plus exactly these "spec@algorithm" hooks (e.g. a chunk sweep)
+        configs = [configs[0]] + [
+            _common.HookConfig(item, "ours", item.rpartition("@")[0], item.rpartition("@")[2] or None)
+            for item in args.specs.split(";") if item.strip()]
     if rank == 0:
         print(f"# convergence: tasks={args.tasks} world={world} steps={args.steps or 'task default'} "
               f"eval every {args.eval_every}, final = mean of last {args.tail} evals", flush=True)
@@ -378,6 +382,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=64.0,
                    help="one bucket for these models (torch powerSGD_hook needs that on gloo)")
     p.add_argument("--hooks", default=None, help="comma-separated hook names or substrings")
+    p.add_argument("--specs", default=None,
+                   help="';'-separated 'spec@algorithm' hooks to run instead (dense stays), e.g. "
+                        "'qsgd:bits=4,chunk=64@allgather;qsgd:bits=4,chunk=512@allgather'")
     p.add_argument("--out", default=os.path.join(_common.RESULTS, "convergence"),
                    help="write OUT.md, OUT.csv, OUT_curves.csv, OUT_<task>.png ('' for none)")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)

@@ -110,6 +110,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             state.algo_store.pop(index, None)
         return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter)
     alg = get_algorithm(name)
+    compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
     x.div_(world)
     _local_(state, index, x)
     if state.error_feedback:

@@ -37,7 +37,7 @@ _PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
-                 "min_compress_numel", "step", "numel", "dtype", "momentum", "clip_norm", "residual_bound")
+                 "min_compress_numel", "step", "numel", "dtype", "momentum", "clip_norm", "residual_bound", "warmup_steps")
 
 
 def _check_momentum(momentum):
@@ -141,6 +141,11 @@ class CompressionState:
             divergence (bench/results/convergence.md, momentum task); the bound keeps it a
             bounded multiple of the fresh update. ``"auto"`` (default): the compressor's
             ``default_residual_bound`` (10 for random-k, none for the others); ``None``: off.
+        warmup_steps: DGC's warm-up: the first ``warmup_steps`` compressed steps (from
+            ``start_iter``) use milder variants of the compressor, ramping to it
+            (``Compressor.warmup``: top-k/random-k density ``density ** ((k + 1) / (W + 1))``
+            at compressed step ``k`` — 1% over 4 steps: 40%, 16%, 6.3%, 2.5%, then 1%; QSGD 8
+            bits for the first half; sign unchanged). 0 (default): off.
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -160,18 +165,19 @@ class CompressionState:
         "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layout_tracker", "param_names", "nonfinite_buckets", "config_check",
         "flags", "_warned_nonfinite", "replica_guard", "momentum", "momentum_masking",
-        "clip_norm", "residual_bound", "__weakref__",
+        "clip_norm", "residual_bound", "warmup_steps", "_warm", "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
-                  "__weakref__")
+                  "_warm", "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
                  min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 3,
                  momentum: float | None = None, momentum_masking: bool = True,
-                 clip_norm: float | None = None, residual_bound: "float | str | None" = "auto"):
+                 clip_norm: float | None = None, residual_bound: "float | str | None" = "auto",
+                 warmup_steps: int = 0):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
@@ -188,6 +194,8 @@ class CompressionState:
             raise ValueError(f"min_compress_numel must be >= 0, got {min_compress_numel!r}")
         momentum = _check_momentum(momentum)
         clip_norm = _check_clip(clip_norm)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if residual_bound == "auto":
             residual_bound = getattr(self.compressor, "default_residual_bound", None)
         if residual_bound is not None:
@@ -257,6 +265,8 @@ class CompressionState:
         self.momentum_masking = momentum_masking
         self.clip_norm = clip_norm
         self.residual_bound = residual_bound
+        self.warmup_steps = warmup_steps
+        self._warm: dict = {}  # compressed step -> warm-up compressor (dropped after the ramp)
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -292,7 +302,22 @@ class CompressionState:
         """The values of :data:`CONFIG_FIELDS` for one bucket (what all ranks must agree on)."""
         return (self.compressor.spec(), self.algorithm_for(bucket_index, numel, dtype), self.seed,
                 self.start_iter, self.error_feedback, self.min_compress_numel, step, numel,
-                str(dtype), self.momentum, self.clip_norm, self.residual_bound)
+                str(dtype), self.momentum, self.clip_norm, self.residual_bound, self.warmup_steps)
+
+    def compressor_at(self, step: int):
+        """The compressor for ``step``: a warm-up variant during the first ``warmup_steps``
+        compressed steps, else ``self.compressor`` (every rank picks the same: ``step`` is
+        shared)."""
+        k = step - self.start_iter
+        if k >= self.warmup_steps or k < 0:
+            if self._warm:
+                self._warm.clear()
+            return self.compressor
+        comp = self._warm.get(k)
+        if comp is None:
+            self._warm.clear()  # one variant alive at a time
+            comp = self._warm[k] = self.compressor.warmup((k + 1) / (self.warmup_steps + 1))
+        return comp
 
     @property
     def local_transform(self) -> bool:
@@ -376,6 +401,7 @@ class CompressionState:
             "momentum_masking": self.momentum_masking,
             "clip_norm": self.clip_norm,
             "residual_bound": self.residual_bound,
+            "warmup_steps": self.warmup_steps,
             "memory": self.memory.state_dict(),
             "algo_store": {int(b): _plain(d, f"algo_store[{b}]") for b, d in self.algo_store.items()},
             "layouts": {int(b): [str(k) for k in lay] for b, lay in self.layouts.items()},
@@ -389,7 +415,7 @@ class CompressionState:
 
         Raises:
             ValueError: saved with a different compressor, algorithm, momentum,
-                momentum_masking, clip_norm or residual_bound.
+                momentum_masking, clip_norm, residual_bound or warmup_steps.
         """
         if not isinstance(sd, dict) or "iter" not in sd:
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
@@ -400,7 +426,7 @@ class CompressionState:
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this hook uses {self.algorithm!r}")
-        for key in ("momentum", "momentum_masking", "clip_norm", "residual_bound"):
+        for key in ("momentum", "momentum_masking", "clip_norm", "residual_bound", "warmup_steps"):
             if sd.get(key, getattr(self, key)) != getattr(self, key):
                 raise ValueError(f"state was saved with {key}={sd[key]!r}, this hook uses "
                                  f"{key}={getattr(self, key)!r}")
@@ -424,6 +450,7 @@ class CompressionState:
         self.process_group = None
         self.communicator = None
         self.replica_guard = None
+        self._warm = {}
         self._reset_transient()
         for k, v in st.items():
             setattr(self, k, v)

@@ -383,6 +383,13 @@ class Compressor:
             return self.name
         return self.name + ":" + ",".join(f"{k}={_fmt(v)}" for k, v in cfg.items())
 
+    def warmup(self, fraction: float) -> "Compressor":
+        """A milder variant for warm-up step ``fraction`` in (0, 1) of the ramp to this one
+        (Deep Gradient Compression's warm-up; ``CompressionState(warmup_steps=...)``).
+        Default: no milder variant (``self``). Sparsifiers ramp the density exponentially,
+        QSGD sends 8 bits in the first half."""
+        return self
+
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """Per-element bound on ``|decompress(compress(x)) - x|`` for one round trip."""
         return x.abs()

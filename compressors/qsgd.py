@@ -141,6 +141,12 @@ class QSGD(ScaledCodesDecoder):
         self.chunk = check_chunk(chunk)
         self.align = check_align(align)
 
+    def warmup(self, fraction):
+        """8 bits for the first half of the warm-up, then these bits."""
+        if self.bits >= 8 or fraction >= 0.5:
+            return self
+        return type(self)(**{**self.config(), "bits": 8})
+
     @property
     def code_bits(self) -> int:
         return self.bits

@@ -77,6 +77,10 @@ class RandomK(Compressor):
         self.seed = seed
         self._cache: tuple | None = None
 
+    def warmup(self, fraction):
+        """Density ``density ** fraction``: exponential ramp from dense to the target (DGC)."""
+        return type(self)(**{**self.config(), "density": self.density ** float(fraction)})
+
     def config(self):
         return {"density": self.density, "seed": self.seed}
 

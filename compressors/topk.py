@@ -44,6 +44,10 @@ class TopK(Compressor):
         self.exact = exact
         self.sample = check_density(sample)
 
+    def warmup(self, fraction):
+        """Density ``density ** fraction``: exponential ramp from dense to the target (DGC)."""
+        return type(self)(**{**self.config(), "density": self.density ** float(fraction)})
+
     def config(self):
         cfg = {"density": self.density, "exact": self.exact}
         if not self.exact:

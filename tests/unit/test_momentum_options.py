@@ -89,3 +89,15 @@ def test_take_over_momentum_and_check_optimizer():
         warnings.simplefilter("error")
         comms.check_optimizer(CompressionState("qsgd:bits=4", None, algorithm="allgather"),
                               _sgd(momentum=0.9))  # no error feedback: nothing to warn about
+
+
+def test_warmup_ramps_density_then_keeps_the_compressor():
+    st = CompressionState("topk:density=0.01", None, algorithm="allgather", start_iter=2, warmup_steps=4)
+    dens = [st.compressor_at(s).density for s in range(2, 8)]
+    want = [0.01 ** (k / 5) for k in (1, 2, 3, 4)]
+    assert dens[:4] == pytest.approx(want) and dens[4:] == [0.01, 0.01]
+    assert st.compressor_at(7) is st.compressor and not st._warm
+    q = CompressionState("qsgd:bits=4", None, algorithm="allgather", start_iter=0, warmup_steps=4)
+    assert [q.compressor_at(s).bits for s in range(5)] == [8, 8, 4, 4, 4]
+    with pytest.raises(ValueError, match="warmup_steps"):
+        CompressionState("sign", None, algorithm="allgather", warmup_steps=-1)
