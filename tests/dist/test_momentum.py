@@ -46,3 +46,23 @@ def test_biased_compressors_with_sgd_momentum_do_not_diverge():
         assert r["loss"] == r["loss"] and r["loss"] <= bound * dense, (spec, r["loss"], dense)
     # the lossless compressor with the hook's momentum is SGD momentum up to rounding
     assert abs(res["identity"]["loss"] - dense) <= 0.02 * dense, (res["identity"]["loss"], dense)
+
+
+REPLICA_CASES = [
+    (TOPK, "allgather", "optimizer", {"warmup_steps": 3}),
+    (TOPK, "two_phase", "optimizer", {"clip_norm": 1.0}),
+    ("sign", "two_phase", "optimizer", {}),
+    ("qsgd:bits=4,chunk=16", "allgather", "optimizer", {"warmup_steps": 4}),
+    ("randomk:density=0.05", "allreduce", "optimizer", {"warmup_steps": 2}),
+    ("qsgd:bits=8", "shared_scale", "hook", {}),
+]
+
+
+@pytest.mark.timeout(300)
+def test_momentum_correction_keeps_replicas_equal():
+    """Momentum correction, masking, clipping, warm-up and tensor-aligned scales at 3 ranks:
+    ``comms.check_replicas`` after 20 steps (inside ``train_final``) and equal losses."""
+    reports = spawn(_body, 3, REPLICA_CASES, 20, timeout=280)
+    assert reports[0] == reports[1] == reports[2]
+    for case, r in zip(REPLICA_CASES, reports[0]):
+        assert r["compressed_calls"] > 0 and r["momentum"] == 0.9, (case, r)
