@@ -200,11 +200,13 @@ def filter_configs(configs: list[HookConfig], patterns: str | None) -> list[Hook
     return keep
 
 
-def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2, optimizer=None):
+def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2, optimizer=None,
+                **hook_kwargs):
     """Register ``cfg`` on a fresh DDP wrapper; returns the hook state (``None`` for dense).
 
     ``optimizer``: given to ``comms.register`` for our hooks (it takes SGD momentum over:
-    momentum correction, issue 17); torch's hooks leave it alone."""
+    momentum correction, issue 17); torch's hooks leave it alone. ``hook_kwargs`` go to
+    ``comms.register`` (e.g. ``warmup_steps``)."""
     if cfg.kind == "dense":
         return None
     if cfg.kind == "torch-fp16":
@@ -226,7 +228,7 @@ def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2, o
 
         return comms.register(ddp, cfg.spec, process_group=process_group, algorithm=cfg.algorithm,
                               error_feedback=cfg.error_feedback, start_iter=start_iter,
-                              optimizer=optimizer)
+                              optimizer=optimizer, **hook_kwargs)
     raise ValueError(f"unknown hook kind {cfg.kind!r}")
 
 

@@ -258,7 +258,8 @@ def train(task, cfg, args, rank: int, world: int) -> list[tuple[int, float]]:
     ddp = DDP(model, bucket_cap_mb=cap)
     opt = task.optimizer(ddp.parameters())
     state = _common.attach_hook(ddp, cfg, start_iter=args.start_iter,
-                                optimizer=opt if args.pairing == "optimizer" else None)
+                                optimizer=opt if args.pairing == "optimizer" else None,
+                                **({"warmup_steps": args.warmup_steps} if args.warmup_steps else {}))
     curve = [(0, task.evaluate(model))]
     for step in range(1, steps + 1):
         x, y = task.batch_at(step - 1, rank, world)
@@ -382,6 +383,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=64.0,
                    help="one bucket for these models (torch powerSGD_hook needs that on gloo)")
     p.add_argument("--hooks", default=None, help="comma-separated hook names or substrings")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="our hooks: DGC warm-up over this many compressed steps (default 0: off)")
     p.add_argument("--specs", default=None,
                    help="';'-separated 'spec@algorithm' hooks to run instead (dense stays), e.g. "
                         "'qsgd:bits=4,chunk=64@allgather;qsgd:bits=4,chunk=512@allgather'")
