@@ -259,7 +259,7 @@ def train(task, cfg, args, rank: int, world: int) -> list[tuple[int, float]]:
     opt = task.optimizer(ddp.parameters())
     state = _common.attach_hook(ddp, cfg, start_iter=args.start_iter,
                                 optimizer=opt if args.pairing == "optimizer" else None,
-                                **({"warmup_steps": args.warmup_steps} if args.warmup_steps else {}))
+                                **_hook_options(args))
     curve = [(0, task.evaluate(model))]
     for step in range(1, steps + 1):
         x, y = task.batch_at(step - 1, rank, world)
@@ -271,6 +271,17 @@ def train(task, cfg, args, rank: int, world: int) -> list[tuple[int, float]]:
             curve.append((step, task.evaluate(model)))
     del state
     return curve
+
+
+def _hook_options(args) -> dict:
+    """``--warmup-steps`` and ``--hook-opt key=value`` as ``comms.register`` keywords."""
+    from compressors.registry import _parse_value
+
+    opts = {"warmup_steps": args.warmup_steps} if args.warmup_steps else {}
+    for item in args.hook_opt or ():
+        key, _, value = item.partition("=")
+        opts[key.strip()] = None if value.strip() == "None" else _parse_value(value)
+    return opts
 
 
 def rank_main(rank: int, world: int, args):
@@ -385,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hooks", default=None, help="comma-separated hook names or substrings")
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="our hooks: DGC warm-up over this many compressed steps (default 0: off)")
+    p.add_argument("--hook-opt", action="append", default=None, metavar="KEY=VALUE",
+                   help="another comms.register option for our hooks (repeatable), e.g. "
+                        "momentum_masking=false, clip_norm=1.0")
     p.add_argument("--specs", default=None,
                    help="';'-separated 'spec@algorithm' hooks to run instead (dense stays), e.g. "
                         "'qsgd:bits=4,chunk=64@allgather;qsgd:bits=4,chunk=512@allgather'")
