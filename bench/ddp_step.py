@@ -160,8 +160,10 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     if cfg.kind == "torch-powersgd":  # torch's powerSGD_hook fails on gloo with > 1 bucket
         cap = max(cap, args.one_bucket_mb)
     ddp = DDP(model, bucket_cap_mb=cap)
-    state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    # our hooks take SGD's momentum over (momentum correction, issue 17): the default way
+    state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter,
+                                optimizer=opt if getattr(args, "pairing", "optimizer") == "optimizer" else None)
     warmup = max(args.warmup, args.start_iter + 2)  # the first compressed steps allocate buffers
     times = []
     loss = torch.zeros(())
@@ -271,6 +273,9 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairing", choices=("optimizer", "none"), default="optimizer",
+                   help="our hooks: register(..., optimizer=opt) (SGD momentum moves into the "
+                        "hook, the default) or without it (the optimizer keeps its momentum)")
     launching.add_launch_args(p)
     p.add_argument("--model", choices=sorted(MODELS), default="mlp")
     p.add_argument("--width", type=int, default=None, help="model width (mlp 2048, conv 64, transformer 256)")

@@ -13,13 +13,13 @@ from .communicator import Communicator, TorchCommunicator
 from .algorithms import ALGORITHMS, get_algorithm
 from .state import BucketStats, CompressionState
 from .hook import compression_hook, dense_allreduce
-from .register import make_hook, register
+from .register import check_optimizer, make_hook, register, take_over_momentum
 from .replicas import ReplicaMismatchError, check_replicas
 from .deadline import CollectiveTimeout
 
 __all__ = [
     "Communicator", "TorchCommunicator", "ALGORITHMS", "get_algorithm", "BucketStats",
-    "CompressionState", "compression_hook", "dense_allreduce", "make_hook", "register",
+    "CompressionState", "compression_hook", "dense_allreduce", "make_hook", "register", "check_optimizer", "take_over_momentum",
 ]
 __all__ += ["check_replicas", "ReplicaMismatchError", "CollectiveTimeout"]
 

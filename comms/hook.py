@@ -58,16 +58,37 @@ def _on_nonfinite(state: CompressionState):
     return reset
 
 
+def _local_(state: CompressionState, index: int, x: torch.Tensor) -> None:
+    """DGC's local steps on this rank's share ``x`` (already divided by the world size), in
+    place: clip the bucket's norm to ``clip_norm / world``, then momentum correction
+    (``x <- u = m u + x``). Private arithmetic before any collective; no host sync (the clip
+    factor stays a tensor)."""
+    if state.clip_norm is not None:
+        limit = state.clip_norm / state.comm().world_size
+        norm = torch.linalg.vector_norm(x, dtype=torch.float32)
+        x.mul_(torch.clamp(limit / (norm + 1e-12), max=1.0).to(x.dtype))
+    if state.momentum is not None:
+        state.memory.momentum_(index, x, state.momentum)
+
+
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
-                   scatter=None, shapes: tuple = ()) -> torch.futures.Future:
+                   scatter=None, shapes: tuple = (), dense: bool = False) -> torch.futures.Future:
     """EF + compress + aggregate one flat tensor in place; returns the (pending) future.
 
     ``shapes``: the shapes of the parameters ``x`` is made of, in order (``()``: unknown);
     they reach the compressor as ``Context.shapes`` (PowerSGD factorizes each matrix).
+    ``dense``: a plain allreduce step (before ``start_iter``, small buckets) that still needs
+    the local steps (momentum correction, clipping).
     """
     comm = state.comm()
     world = comm.world_size
     compressor = state.compressor
+    if dense:
+        x.div_(world)
+        _local_(state, index, x)
+        state.dense_calls += 1
+        what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
+        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter)
     name = state.algorithm_for(index, x.numel(), x.dtype)
     # the auto planner may move a bucket between algorithms (autotune trials): residuals of
     # the old one are added into the bucket once, so no gradient mass is lost
@@ -77,18 +98,31 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         state.dense_calls += 1
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
-        if not switched:
+        if not switched and not state.local_transform:
             return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
         x.div_(world)
-        if state.error_feedback:
-            state.memory.add_residual_(index, x)
-        _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
-        state.reset_bucket(index)
+        _local_(state, index, x)
+        if switched:
+            if state.error_feedback:
+                state.memory.add_residual_(index, x)
+            _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
+            # the residual and store are spent; the velocity is not (it is the optimizer's)
+            state.memory.residuals.pop(index, None)
+            state.algo_store.pop(index, None)
         return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     alg = get_algorithm(name)
+    compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
     x.div_(world)
+    _local_(state, index, x)
     if state.error_feedback:
-        state.memory.add_residual_(index, x)
+        bound = state.residual_bound
+        if bound is None:
+            state.memory.add_residual_(index, x)
+        else:  # x + r scaled down to at most bound * |x|: mass beyond it is dropped
+            fresh = torch.linalg.vector_norm(x, dtype=torch.float32)
+            state.memory.add_residual_(index, x)
+            total = torch.linalg.vector_norm(x, dtype=torch.float32)
+            x.mul_(torch.clamp(bound * fresh / (total + 1e-30), max=1.0).to(x.dtype))
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
@@ -102,6 +136,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
                 lambda: alg.bucket_wire_bytes(compressor, ctx, world))
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
     fut = alg(comm, compressor, x, ctx, state.store(index))
+    mask = state.momentum is not None and state.momentum_masking and getattr(compressor, "sparsifies", False)
 
     def finish(f):
         try:
@@ -111,6 +146,8 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
         if state.error_feedback:
             state.memory.update_(index, x, own)
+        if mask:
+            state.memory.mask_velocity_(index, own)
         x.copy_(total)
         return x
 
@@ -120,8 +157,9 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
 def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):
     params = bucket.parameters()
     return state.layout_tracker.plan(index, [state.param_key(p) for p in params],
-                                     [p.numel() for p in params], buf, state.memory.residuals,
-                                     state.reset_bucket, state.error_feedback)
+                                     [p.numel() for p in params], buf,
+                                     [state.memory.residuals, state.memory.velocities],
+                                     state.reset_bucket, state.error_feedback or state.local_transform)
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -175,13 +213,16 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if index == 0 and state.replica_guard is not None and comm.world_size > 1:
         state.replica_guard.maybe_check(step, comm)  # raises on every rank at a mismatch
     if comm.world_size == 1 or buf.numel() == 0:
+        if state.local_transform and buf.numel():
+            _local_(state, index, buf)  # the momentum the optimizer no longer applies
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:
         state.flags.drop_stale(step)
         state.config_check.check(comm, index, buf, step,
                                  lambda: state.config_hash(index, buf.numel(), buf.dtype, step),
                                  lambda: state.config_values(index, buf.numel(), buf.dtype, step))
-        if step < state.start_iter or buf.numel() < state.min_compress_numel:
+        dense = step < state.start_iter or buf.numel() < state.min_compress_numel
+        if dense and not state.local_transform:
             state.dense_calls += 1
             what = where(comm, "dense allreduce", index, buf.numel(), buf.dtype, step)
             fut = state.flags.enqueue(index, step, None, buf, guarded(dense_allreduce(state, buf), what), what=what)
@@ -196,7 +237,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
                 shape_at = {}  # a layout we do not understand: shapes unknown
             if plan == [(index, None)]:
                 shapes = tuple(s for _, s in shape_at.values())
-                fut = _compress_flat(state, buf, index, step, shapes=shapes)
+                fut = _compress_flat(state, buf, index, step, shapes=shapes, dense=dense)
             else:
                 subs = []
                 for j, segs in plan:
@@ -211,7 +252,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
                     segs_shapes = [shape_at.get(o) for o, _ in segs]
                     shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
                         else tuple(s[1] for s in segs_shapes)
-                    subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes))
+                    subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes, dense=dense))
                 fut = when_all(subs, buf)
     if last:
         state.flags.flush(comm, step, _on_nonfinite(state))

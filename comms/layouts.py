@@ -49,7 +49,8 @@ class LayoutTracker:
         ``segments`` is ``None`` for the whole bucket, else the ``(offset, numel)`` slices of
         ``buf`` that form saved bucket ``sub_index`` (first step after a restore). A new
         layout takes over the residuals (``residuals``: bucket -> tensor, updated in place)
-        of the layouts it overlaps, moved to the parameters' new positions; ``reset_bucket``
+        of the layouts it overlaps, moved to the parameters' new positions (``residuals`` may be a
+        list of such dicts: residuals and velocities move alike); ``reset_bucket``
         clears a bucket's residual and store.
         """
         keys = tuple(keys)
@@ -66,31 +67,35 @@ class LayoutTracker:
                     off += n
                 logger.info("bucket %d holds saved buckets %s: compressing them as saved", index, covered)
                 return [(j, [offsets[k] for k in self.layouts[j]]) for j in covered]
-        # a new layout: cut the residuals of the layouts it overlaps into per-parameter pieces
-        # (later buckets of this step may claim the rest), then assemble this bucket's residual
+        # a new layout: cut the residuals (and momentum-correction velocities) of the layouts
+        # it overlaps into per-parameter pieces (later buckets of this step may claim the
+        # rest), then assemble this bucket's
+        memories = residuals if isinstance(residuals, (list, tuple)) else (residuals,)
         sizes = self._numels
         sizes.update(zip(keys, numels))
         for j, lay in list(self.layouts.items()):
             if j == index or kset & set(lay):
-                r = residuals.get(j)
-                if r is not None and all(k in sizes for k in lay) and sum(sizes[k] for k in lay) == r.numel():
-                    off = 0
-                    for k in lay:
-                        self._loose[k] = r[off: off + sizes[k]]
-                        off += sizes[k]
+                for m, mem in enumerate(memories):
+                    r = mem.get(j)
+                    if r is not None and all(k in sizes for k in lay) and sum(sizes[k] for k in lay) == r.numel():
+                        off = 0
+                        for k in lay:
+                            self._loose[(m, k)] = r[off: off + sizes[k]]
+                            off += sizes[k]
                 del self.layouts[j]
                 reset_bucket(j)
         reset_bucket(index)
         self.layouts[index] = keys
-        if error_feedback and any(k in self._loose for k in keys) and sum(numels) == buf.numel():
-            r = torch.zeros_like(buf)
-            off = 0
-            for k, n in zip(keys, numels):
-                piece = self._loose.pop(k, None)
-                if piece is not None and piece.numel() == n and piece.dtype == buf.dtype:
-                    r[off: off + n].copy_(piece)
-                off += n
-            residuals[index] = r
+        for m, mem in enumerate(memories):
+            if error_feedback and any((m, k) in self._loose for k in keys) and sum(numels) == buf.numel():
+                r = torch.zeros_like(buf)
+                off = 0
+                for k, n in zip(keys, numels):
+                    piece = self._loose.pop((m, k), None)
+                    if piece is not None and piece.numel() == n and piece.dtype == buf.dtype:
+                        r[off: off + n].copy_(piece)
+                    off += n
+                mem[index] = r
         return [(index, None)]
 
     def __getstate__(self):

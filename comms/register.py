@@ -1,8 +1,17 @@
-"""One-line entry points: ``make_hook`` and ``register``."""
+"""One-line entry points: ``make_hook`` and ``register``; ``check_optimizer`` for the
+momentum pairing (issue 17).
+
+The pairing: error feedback meeting an optimizer's momentum diverges for aggressive biased
+compressors (top-k 1%, sign, random-k 1% on SGD momentum 0.9). The hook applies the momentum
+itself instead (``momentum=``, Deep Gradient Compression's momentum correction) and the
+optimizer runs with momentum 0. ``register(model, spec, optimizer=opt)`` does both: it reads
+SGD's momentum from ``opt`` and sets ``opt``'s momentum to 0.
+"""
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -11,7 +20,7 @@ from .hook import compression_hook
 from .replicas import ReplicaGuard
 from .state import CompressionState
 
-__all__ = ["make_hook", "register"]
+__all__ = ["make_hook", "register", "check_optimizer", "take_over_momentum"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +49,68 @@ def make_hook(compressor, *, process_group=None, error_feedback: bool | None = N
     return state, compression_hook
 
 
+def _group_momenta(optimizer) -> list[float]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return [float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups]
+
+
+def take_over_momentum(optimizer) -> float | None:
+    """What ``register(..., optimizer=opt)`` does to ``opt``: read its SGD momentum and set it
+    to 0 in every param group, so the hook's momentum correction replaces it.
+
+    Returns:
+        The momentum taken over, or ``None`` when ``opt`` has none (momentum 0, or an optimizer
+        without a ``momentum`` setting such as Adam — left unchanged).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        ValueError: param groups with different momenta, ``dampening != 0`` or
+            ``nesterov=True`` (the hook implements SGD's default heavy-ball momentum only);
+            nothing is changed.
+    """
+    momenta = _group_momenta(optimizer)
+    if not any(momenta):
+        return None
+    if len(set(momenta)) != 1:
+        raise ValueError(f"the optimizer's param groups have different momenta {momenta}; the "
+                         "hook applies one momentum to every bucket: pass momentum= yourself")
+    for i, g in enumerate(optimizer.param_groups):
+        if g.get("dampening", 0) or g.get("nesterov", False):
+            raise ValueError(f"param group {i} has dampening={g.get('dampening')!r}, "
+                             f"nesterov={g.get('nesterov')!r}; the hook's momentum correction is "
+                             "heavy-ball momentum (dampening 0, nesterov False)")
+    for g in optimizer.param_groups:
+        g["momentum"] = 0.0
+    return momenta[0]
+
+
+def check_optimizer(state: CompressionState, optimizer) -> None:
+    """Check the momentum pairing of a hook state and an optimizer.
+
+    Raises:
+        ValueError: the hook applies momentum (``state.momentum``) and the optimizer does too
+            (momentum would be applied twice).
+
+    Warns (``UserWarning``) when the hook keeps error-feedback residuals, applies no momentum,
+    and the optimizer has momentum: the combination that diverges for aggressive biased
+    compressors — pass ``momentum=`` (and momentum 0 to the optimizer) or
+    ``register(..., optimizer=opt)``.
+    """
+    momenta = _group_momenta(optimizer)
+    if state.momentum is not None and any(momenta):
+        raise ValueError(f"the hook applies momentum {state.momentum} (momentum correction) and "
+                         f"the optimizer has momentum {momenta}: it would be applied twice; run "
+                         "the optimizer with momentum=0")
+    if state.momentum is None and state.error_feedback and any(momenta):
+        warnings.warn(f"commpress: error feedback ({state.compressor.spec()!r}) with the "
+                      f"optimizer's momentum {max(momenta)} can diverge; let the hook apply it: "
+                      "register(model, spec, optimizer=opt) or momentum= with an optimizer "
+                      "momentum of 0", UserWarning, stacklevel=2)
+
+
 def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
-             **kwargs) -> CompressionState:
+             optimizer=None, **kwargs) -> CompressionState:
     """Register the compression hook on a DDP model and return its state.
 
     The state is bound to the model's parameter names (``state.bind``), so its bucket
@@ -54,7 +123,16 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
             backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
             first differing parameter. ``None``/0: off.
-        **kwargs: as :func:`make_hook`.
+        optimizer: the training optimizer (recommended). If it has SGD momentum and
+            ``momentum`` is not given, the hook takes it over (:func:`take_over_momentum`:
+            ``momentum=`` its value, and its param groups' momentum set to 0) — the default
+            way to pair SGD momentum with a biased compressor without diverging. With
+            ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
+        **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
+            :class:`~comms.state.CompressionState`).
+
+    Without ``optimizer`` and ``momentum`` a hook with error feedback logs a warning once: it
+    cannot know whether an optimizer's momentum will meet its residuals.
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
@@ -77,12 +155,28 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         guard = ReplicaGuard(ddp_model.module, check_replicas_every)
     elif check_replicas_every not in (None, 0) or isinstance(check_replicas_every, bool):
         raise TypeError(f"check_replicas_every must be an int, got {check_replicas_every!r}")
+    taken = None
+    if optimizer is not None:
+        momenta = _group_momenta(optimizer)  # TypeError before anything changes
+        if kwargs.get("momentum") is None and any(momenta):
+            make_hook(compressor, momentum=momenta[0], **kwargs)  # validate the rest first
+            kwargs["momentum"] = taken = take_over_momentum(optimizer)
     state, hook = make_hook(compressor, **kwargs)
+    if optimizer is not None:
+        check_optimizer(state, optimizer)
+    elif state.momentum is None and state.error_feedback:
+        logger.warning("commpress: %r keeps error-feedback residuals and was not told the "
+                       "optimizer's momentum; with SGD momentum pass register(..., optimizer=opt) "
+                       "(or momentum= and an optimizer momentum of 0): error feedback meeting an "
+                       "optimizer's momentum can diverge", state.compressor.spec())
     state.bind(ddp_model)
     state.replica_guard = guard
     try:
         ddp_model.register_comm_hook(state, hook)
     except RuntimeError as exc:  # DDP refuses a second hook of any kind
+        if taken is not None:  # nothing half-applied: the optimizer gets its momentum back
+            for g in optimizer.param_groups:
+                g["momentum"] = taken
         raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
                          f"{exc}") from exc
     ddp_model._commpress_state = state

@@ -43,7 +43,27 @@ _PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
-                 "min_compress_numel", "step", "numel", "dtype")
+                 "min_compress_numel", "step", "numel", "dtype", "momentum", "clip_norm", "residual_bound", "warmup_steps")
+
+
+def _check_momentum(momentum):
+    if momentum is None:
+        return None
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise TypeError(f"momentum must be a number in [0, 1) or None, got {momentum!r}")
+    if not (0.0 <= float(momentum) < 1.0):
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    return float(momentum)
+
+
+def _check_clip(clip_norm):
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+        raise TypeError(f"clip_norm must be a positive number or None, got {clip_norm!r}")
+    if not (float(clip_norm) > 0.0 and float(clip_norm) < float("inf")):
+        raise ValueError(f"clip_norm must be a finite number > 0, got {clip_norm!r}")
+    return float(clip_norm)
 
 
 def _hash64(value) -> int:
@@ -105,6 +125,37 @@ class CompressionState:
         timeout: seconds (or a ``timedelta``) any commpress wait may last before it raises
             ``comms.CollectiveTimeout`` (a stuck or dead peer); ``None``: the process group's
             timeout (``init_process_group(timeout=...)``). Local: may differ between ranks.
+        momentum: Deep Gradient Compression's momentum correction (Lin et al., ICLR'18): the
+            hook keeps each rank's SGD velocity ``u <- momentum * u + g`` per bucket and
+            compresses ``u`` (plus the error-feedback residual), so what error feedback delays
+            is the velocity itself and is not amplified again by an optimizer's momentum. The
+            optimizer **must then run with momentum 0** (same ``lr``; the pairing is checked by
+            :func:`comms.check_optimizer` and by ``register(..., optimizer=opt)``, which takes
+            the momentum over from ``opt``). With a lossless compressor this is exactly SGD with
+            momentum (dampening 0, no Nesterov). ``None`` (default): off — then an optimizer's
+            momentum meets error feedback, which diverges for aggressive biased compressors
+            (README, Convergence).
+        momentum_masking: with ``momentum``, zero the velocity where a sparsifier (top-k,
+            random-k) sent a value (DGC's momentum factor masking): the sent coordinate's mass
+            left with its residual, so its stale momentum must not keep pushing. Compressors
+            that send every coordinate (sign, QSGD) are never masked. Default ``True``.
+        clip_norm: local gradient clipping (DGC): each rank scales its share of every bucket
+            so that the bucket's L2 norm is at most ``clip_norm / world`` before momentum and
+            error feedback, i.e. the averaged bucket gradient has norm <= ``clip_norm``. Per
+            bucket (the hook sees one bucket at a time), private arithmetic before the
+            collective, no host sync. ``None``: off.
+        residual_bound: bound the error-feedback input ``x + r`` to ``residual_bound * |x|``
+            (L2, per bucket; ``x`` the fresh gradient or velocity), dropping the mass beyond it.
+            Random-k's residual holds ~``1/density`` steps of velocity that leave together — a
+            step ``1/density`` times too late, which SGD momentum 0.9 at lr 0.05 turns into
+            divergence (bench/results/convergence.md, momentum task); the bound keeps it a
+            bounded multiple of the fresh update. ``"auto"`` (default): the compressor's
+            ``default_residual_bound`` (10 for random-k, none for the others); ``None``: off.
+        warmup_steps: DGC's warm-up: the first ``warmup_steps`` compressed steps (from
+            ``start_iter``) use milder variants of the compressor, ramping to it
+            (``Compressor.warmup``: top-k/random-k density ``density ** ((k + 1) / (W + 1))``
+            at compressed step ``k`` — 1% over 4 steps: 40%, 16%, 6.3%, 2.5%, then 1%; QSGD 8
+            bits for the first half; sign unchanged). 0 (default): off.
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -123,17 +174,20 @@ class CompressionState:
         "process_group", "communicator", "compressor", "error_feedback", "memory", "start_iter",
         "iter", "algorithm", "planner", "seed", "min_compress_numel", "stats", "algo_store",
         "dense_calls", "layout_tracker", "param_names", "nonfinite_buckets", "config_check",
-        "flags", "_warned_nonfinite", "replica_guard", "timeout", "__weakref__",
+        "flags", "_warned_nonfinite", "replica_guard", "timeout", "momentum", "momentum_masking",
+        "clip_norm", "residual_bound", "warmup_steps", "_warm", "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
-                  "__weakref__")
+                  "_warm", "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
                  min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 2,
-                 timeout=None):
+                 timeout=None, momentum: float | None = None, momentum_masking: bool = True,
+                 clip_norm: float | None = None, residual_bound: "float | str | None" = "auto",
+                 warmup_steps: int = 0):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
@@ -150,6 +204,20 @@ class CompressionState:
             raise TypeError(f"min_compress_numel must be an int, got {min_compress_numel!r}")
         if min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {min_compress_numel!r}")
+        momentum = _check_momentum(momentum)
+        clip_norm = _check_clip(clip_norm)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if residual_bound == "auto":
+            residual_bound = getattr(self.compressor, "default_residual_bound", None)
+        if residual_bound is not None:
+            if isinstance(residual_bound, bool) or not isinstance(residual_bound, (int, float)) \
+                    or not (1.0 <= float(residual_bound) < float("inf")):
+                raise ValueError(f"residual_bound must be 'auto', None or a finite number >= 1, "
+                                 f"got {residual_bound!r}")
+            residual_bound = float(residual_bound)
+        if not isinstance(momentum_masking, bool):
+            raise TypeError(f"momentum_masking must be True or False, got {momentum_masking!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             hint = " (for a DeviceMesh pass mesh.get_group(dim))" if "Mesh" in type(process_group).__name__ else ""
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
@@ -205,6 +273,12 @@ class CompressionState:
         self.nonfinite_buckets = 0
         self._warned_nonfinite = False
         self.replica_guard = None    # comms.replicas.ReplicaGuard, set by register()
+        self.momentum = momentum
+        self.momentum_masking = momentum_masking
+        self.clip_norm = clip_norm
+        self.residual_bound = residual_bound
+        self.warmup_steps = warmup_steps
+        self._warm: dict = {}  # compressed step -> warm-up compressor (dropped after the ramp)
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -240,7 +314,28 @@ class CompressionState:
         """The values of :data:`CONFIG_FIELDS` for one bucket (what all ranks must agree on)."""
         return (self.compressor.spec(), self.algorithm_for(bucket_index, numel, dtype), self.seed,
                 self.start_iter, self.error_feedback, self.min_compress_numel, step, numel,
-                str(dtype))
+                str(dtype), self.momentum, self.clip_norm, self.residual_bound, self.warmup_steps)
+
+    def compressor_at(self, step: int):
+        """The compressor for ``step``: a warm-up variant during the first ``warmup_steps``
+        compressed steps, else ``self.compressor`` (every rank picks the same: ``step`` is
+        shared)."""
+        k = step - self.start_iter
+        if k >= self.warmup_steps or k < 0:
+            if self._warm:
+                self._warm.clear()
+            return self.compressor
+        comp = self._warm.get(k)
+        if comp is None:
+            self._warm.clear()  # one variant alive at a time
+            comp = self._warm[k] = self.compressor.warmup((k + 1) / (self.warmup_steps + 1))
+        return comp
+
+    @property
+    def local_transform(self) -> bool:
+        """True when the hook changes each rank's gradient before the collective (momentum
+        correction or clipping): then every bucket, the dense ones too, goes through it."""
+        return self.momentum is not None or self.clip_norm is not None
 
     def config_hash(self, bucket_index: int, numel: int, dtype: torch.dtype, step: int) -> list[int]:
         """One process-independent int64 per config field."""
@@ -276,7 +371,8 @@ class CompressionState:
         return self.algo_store.setdefault(bucket, {})
 
     def reset_bucket(self, bucket: int) -> None:
-        """Forget a bucket's residual and algorithm store (layout change, non-finite values)."""
+        """Forget a bucket's residual, velocity and algorithm store (layout change, non-finite
+        values)."""
         self.memory.reset(bucket)
         self.algo_store.pop(bucket, None)
 
@@ -309,7 +405,8 @@ class CompressionState:
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and numbers (``torch.load(weights_only=True)`` can read it).
 
-        Holds the iteration counter, residuals, every algorithm store and the bucket layouts.
+        Holds the iteration counter, residuals, momentum-correction velocities, every
+        algorithm store, the bucket layouts and the options they were made with.
         Residuals are per rank: save one file per rank.
 
         Example::
@@ -324,6 +421,11 @@ class CompressionState:
             "compressor": self.compressor.spec(),
             "algorithm": self.algorithm,
             "error_feedback": self.error_feedback,
+            "momentum": self.momentum,
+            "momentum_masking": self.momentum_masking,
+            "clip_norm": self.clip_norm,
+            "residual_bound": self.residual_bound,
+            "warmup_steps": self.warmup_steps,
             "memory": self.memory.state_dict(),
             "algo_store": {int(b): _plain(d, f"algo_store[{b}]") for b, d in self.algo_store.items()},
             "layouts": {int(b): [str(k) for k in lay] for b, lay in self.layouts.items()},
@@ -336,7 +438,8 @@ class CompressionState:
         """Restore :meth:`state_dict` (this rank's own file). Validates before changing anything.
 
         Raises:
-            ValueError: saved with a different compressor or algorithm.
+            ValueError: saved with a different compressor, algorithm, momentum,
+                momentum_masking, clip_norm, residual_bound or warmup_steps.
         """
         if not isinstance(sd, dict) or "iter" not in sd:
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
@@ -347,6 +450,10 @@ class CompressionState:
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this hook uses {self.algorithm!r}")
+        for key in ("momentum", "momentum_masking", "clip_norm", "residual_bound", "warmup_steps"):
+            if sd.get(key, getattr(self, key)) != getattr(self, key):
+                raise ValueError(f"state was saved with {key}={sd[key]!r}, this hook uses "
+                                 f"{key}={getattr(self, key)!r}")
         if self.algorithm == "auto" and sd.get("planner") is not None:
             self.planner.load_state_dict(sd["planner"])  # validates before changing anything
         self.iter = int(sd["iter"])
@@ -367,6 +474,7 @@ class CompressionState:
         self.process_group = None
         self.communicator = None
         self.replica_guard = None
+        self._warm = {}
         self._reset_transient()
         for k, v in st.items():
             setattr(self, k, v)

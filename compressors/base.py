@@ -24,7 +24,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-__all__ = ["ScaledCodesDecoder", "Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
+__all__ = ["ScaledCodesDecoder", "ALIGNS", "check_align", "Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
            "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty", "PayloadPool"]
 
 logger = logging.getLogger(__name__)
@@ -272,6 +272,9 @@ class Compressor:
         lossless: decompress(compress(x)) == x exactly.
         fixed_size: payload shapes depend only on ``ctx.numel`` (no size exchange needed).
         unbiased: E[decompress(compress(x))] == x over the hash-RNG streams.
+        sparsifies: decompress is zero wherever no value was sent (top-k, random-k): the
+            hook's momentum factor masking zeroes the velocity at the nonzeros of a rank's own
+            decoded payload.
         allreduce_rounds: 1: one payload summed by one allreduce (the linear family's
             default); 2: the power-iteration protocol of :class:`compressors.PowerSGD`
             (``first_round``, ``second_round``, ``decode_round``, ``keep``).
@@ -286,6 +289,7 @@ class Compressor:
     lossless: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
     unbiased: ClassVar[bool] = False
+    sparsifies: ClassVar[bool] = False
     allreduce_rounds: ClassVar[int] = 1
 
     #: elements per block in blocked fast paths (a power of two >= 8); None: block_elems(device)
@@ -395,6 +399,13 @@ class Compressor:
             return self.name
         return self.name + ":" + ",".join(f"{k}={_fmt(v)}" for k, v in cfg.items())
 
+    def warmup(self, fraction: float) -> "Compressor":
+        """A milder variant for warm-up step ``fraction`` in (0, 1) of the ramp to this one
+        (Deep Gradient Compression's warm-up; ``CompressionState(warmup_steps=...)``).
+        Default: no milder variant (``self``). Sparsifiers ramp the density exponentially,
+        QSGD sends 8 bits in the first half."""
+        return self
+
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """Per-element bound on ``|decompress(compress(x)) - x|`` for one round trip."""
         return x.abs()
@@ -419,16 +430,104 @@ def _fmt(v) -> str:
     return repr(v) if isinstance(v, float) else str(v)
 
 
+ALIGNS = ("tensor", "flat")
+
+
+def check_align(align) -> str:
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS}, got {align!r}")
+    return align
+
+
 class ScaledCodesDecoder(Compressor):
-    """Decode entry points shared by codecs whose payload is ``[scales, packed codes]``
-    (QSGD, ScaledSign): each subclass implements ``_decode(payload, ctx, out, accumulate)``
+    """Codecs whose payload is ``[scales, packed codes]`` with one scale per chunk (QSGD,
+    ScaledSign): each subclass implements ``_compress_flat(x, ctx)`` and
+    ``_decode(payload, ctx, out, accumulate)`` for a flat vector, ``code_bits`` and ``chunk``,
     and names its CUDA launchers in ``_cuda_decompress`` / ``_cuda_decompress_add_``
-    (``compressors.cuda.dispatch`` functions returning None when they do not apply)."""
+    (``compressors.cuda.dispatch`` functions returning None when they do not apply).
+
+    **Tensor-aligned chunks** (``align="tensor"``, issue 17): when the context knows the
+    bucket's parameter shapes (``ctx.known_shapes()``, two or more tensors), the chunk grid
+    restarts at every tensor, so no scale straddles two tensors (a LayerNorm gain no longer
+    shares a scale with the neighbouring weight's entries). Payload: the tensors' flat
+    payloads one after another — scales ``sum(ceil(n_i / chunk))``, codes
+    ``sum(ceil(n_i * bits / 8))`` bytes. Private randomness (QSGD rounding) uses a stream per
+    tensor. Without shapes (two-phase chunks, hierarchical shards, direct calls) the layout
+    is the flat one: ``align="flat"`` behaviour.
+    """
 
     _cuda_decompress = None
     _cuda_decompress_add_ = None
+    align: str = "flat"
+    code_bits: int = 8
+    chunk: int = 1
+
+    # -- tensor-aligned layout ----------------------------------------------------------
+    def _segments(self, ctx):
+        """``[(e0, e1, s0, s1, b0, b1)]`` element, scale and code-byte ranges per tensor, or
+        ``None`` for the flat layout."""
+        if self.align != "tensor" or len(ctx.shapes) < 2:
+            return None
+        shapes = ctx.known_shapes()
+        if len(shapes) < 2:
+            return None
+        from .bitpack import packed_nbytes
+
+        segs, e, sc, b = [], 0, 0, 0
+        for sh in shapes:
+            n = math.prod(sh)
+            if n == 0:
+                continue
+            nc, nb = -(-n // self.chunk), packed_nbytes(n, self.code_bits)
+            segs.append((e, e + n, sc, sc + nc, b, b + nb))
+            e, sc, b = e + n, sc + nc, b + nb
+        return segs if len(segs) > 1 else None
+
+    def shaped_wire_bytes(self, shapes, dtype=torch.float32) -> int:
+        """Bytes of one payload for a bucket of tensors of ``shapes`` (its own layout)."""
+        segs = self._segments(Context(numel=sum(math.prod(s) for s in shapes), shapes=tuple(shapes)))
+        if segs is None:
+            return self.wire_bytes(sum(math.prod(s) for s in shapes), dtype)
+        return 4 * segs[-1][3] + segs[-1][5]
+
+    def _compress_flat(self, x, ctx):
+        raise NotImplementedError
+
+    def compress(self, x, ctx):
+        segs = self._segments(ctx)
+        if segs is None:
+            return self._compress_flat(x, ctx)
+        check_input(x)
+        x = x.detach().reshape(-1)
+        s = torch.empty(segs[-1][3], dtype=torch.float32, device=x.device)
+        packed = self.payload_pool().empty(segs[-1][5], torch.uint8, x.device)
+        for i, (e0, e1, s0, s1, b0, b1) in enumerate(segs):
+            # a stream per tensor: rounding noise must not repeat from one tensor to the next
+            sub = ctx.with_(numel=e1 - e0, shapes=(), bucket=(ctx.bucket * 0x9E3779B1 + i + 1) & 0xFFFFFFFF)
+            ps, pp = self._compress_flat(x[e0:e1], sub)
+            s[s0:s1].copy_(ps)
+            packed[b0:b1].copy_(pp)
+        return [s, packed]
+
+    def _segmented_decode(self, payload, ctx, segs, out, accumulate):
+        s, packed = payload
+        for e0, e1, s0, s1, b0, b1 in segs:
+            pk = packed[b0:b1]
+            if pk.is_cuda:
+                pk = pk.clone()  # kernels may expect an aligned code buffer
+            sub = [s[s0:s1], pk]
+            sctx = ctx.with_(numel=e1 - e0, shapes=())
+            if accumulate:
+                self.decompress_add_(sub, sctx, out[e0:e1])
+            else:
+                self.decompress_into(sub, sctx, out[e0:e1])
+        return out
 
     def decompress(self, payload, ctx):
+        segs = self._segments(ctx)
+        if segs is not None:
+            out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
+            return self._segmented_decode(payload, ctx, segs, out, False)
         if payload[1].is_cuda and (out := type(self)._cuda_decompress(self, payload, ctx)) is not None:
             return out
         out = fresh_empty(ctx.numel, ctx.dtype, payload[1].device)
@@ -437,11 +536,20 @@ class ScaledCodesDecoder(Compressor):
     def decompress_into(self, payload, ctx, out):
         if not out.is_contiguous() or out.numel() != ctx.numel:
             return super().decompress_into(payload, ctx, out)
+        segs = self._segments(ctx)
+        if segs is not None:
+            self._segmented_decode(payload, ctx, segs, out.view(-1), False)
+            return out
         self._decode(payload, ctx, out.view(-1), accumulate=False)
         return out
 
     def decompress_add_(self, payload, ctx, acc):
-        if acc.is_cuda and (out := type(self)._cuda_decompress_add_(self, payload, ctx, acc)) is not None:
+        segs = self._segments(ctx)
+        if segs is not None and acc.is_contiguous() and acc.numel() == ctx.numel:
+            self._segmented_decode(payload, ctx, segs, acc.view(-1), True)
+            return acc
+        if segs is None and acc.is_cuda and \
+                (out := type(self)._cuda_decompress_add_(self, payload, ctx, acc)) is not None:
             return out
         if not acc.is_contiguous() or acc.numel() != ctx.numel:
             return super().decompress_add_(payload, ctx, acc)

@@ -1,4 +1,15 @@
-"""``ErrorFeedback``: per-bucket residual memory, ``r <- (g + r) - D(C(g + r))``."""
+"""``ErrorFeedback``: per-bucket residual memory, ``r <- (g + r) - D(C(g + r))``, and the
+local velocity of Deep Gradient Compression's momentum correction.
+
+Momentum correction (Lin et al., ICLR'18): with SGD momentum ``m`` moved from the optimizer
+into the hook, each rank keeps a velocity ``u <- m u + g`` and compresses ``u + r`` instead
+of ``g + r``; the optimizer then runs with momentum 0. Momentum factor masking zeroes ``u``
+where the compressor sent a value (sparsifiers), so a coordinate's stale momentum does not keep
+pushing after its accumulated mass went out. Both are per rank and per bucket, in the units
+the hook compresses (already divided by the world size); everything here runs before the
+collective or on this rank's own decoded payload, so it is private arithmetic
+(comms/ARCHITECTURE.md §5).
+"""
 
 from __future__ import annotations
 
@@ -23,10 +34,11 @@ class ErrorFeedback:
     world size).
     """
 
-    __slots__ = ("residuals",)
+    __slots__ = ("residuals", "velocities")
 
     def __init__(self):
         self.residuals: dict[int, torch.Tensor] = {}
+        self.velocities: dict[int, torch.Tensor] = {}
 
     def residual(self, bucket: int, like: torch.Tensor) -> torch.Tensor | None:
         r = self.residuals.get(bucket)
@@ -55,11 +67,42 @@ class ErrorFeedback:
         torch.sub(x, decoded.to(x.dtype), out=r)
         return r
 
+    def velocity(self, bucket: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The bucket's momentum-correction velocity, ``None`` if absent or of another layout."""
+        u = self.velocities.get(bucket)
+        if u is not None and (u.numel() != like.numel() or u.dtype != like.dtype
+                              or u.device != like.device):
+            logger.debug("bucket %d changed layout; velocity reset", bucket)
+            del self.velocities[bucket]
+            return None
+        return u
+
+    def momentum_(self, bucket: int, x: torch.Tensor, momentum: float) -> torch.Tensor:
+        """Momentum correction: ``u <- momentum * u + x`` (``u = x`` the first time), then
+        ``x <- u`` in place; returns x. ``mul_`` then ``add_``: two roundings, like
+        ``torch.optim.SGD``'s ``buf.mul_(m).add_(g)``."""
+        u = self.velocity(bucket, x)
+        if u is None:
+            self.velocities[bucket] = x.clone()
+            return x
+        u.mul_(momentum).add_(x)
+        x.copy_(u)
+        return x
+
+    def mask_velocity_(self, bucket: int, sent: torch.Tensor) -> None:
+        """Momentum factor masking: ``u[sent != 0] = 0`` (``sent``: this rank's own decoded
+        payload; nonzero where the sparsifier sent a value)."""
+        u = self.velocities.get(bucket)
+        if u is not None and u.numel() == sent.numel():
+            u.masked_fill_(sent != 0, 0)
+
     def reset(self, bucket: int | None = None) -> None:
         if bucket is None:
             self.residuals.clear()
+            self.velocities.clear()
         else:
             self.residuals.pop(bucket, None)
+            self.velocities.pop(bucket, None)
 
     def compress(self, compressor: Compressor, x: torch.Tensor, ctx: Context
                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -75,8 +118,12 @@ class ErrorFeedback:
         return payload, decoded
 
     def state_dict(self) -> dict:
-        return {"residuals": {int(k): v.detach().cpu().clone() for k, v in self.residuals.items()}}
+        return {"residuals": {int(k): v.detach().cpu().clone() for k, v in self.residuals.items()},
+                "velocities": {int(k): v.detach().cpu().clone() for k, v in self.velocities.items()}}
 
     def load_state_dict(self, sd: dict, device=None) -> None:
-        self.residuals = {int(k): v.to(device) if device is not None else v.clone()
-                          for k, v in sd.get("residuals", {}).items()}
+        def load(d):
+            return {int(k): v.to(device) if device is not None else v.clone() for k, v in d.items()}
+
+        self.residuals = load(sd.get("residuals", {}))
+        self.velocities = load(sd.get("velocities", {}))

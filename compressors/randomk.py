@@ -65,6 +65,10 @@ class RandomK(Compressor):
 
     name = "randomk"
     families = ("allreduce", "allgather")
+    sparsifies = True
+    #: the hook bounds ``|x + r|`` to 10 ``|x|`` (comms.CompressionState ``residual_bound``):
+    #: the residual of 1% random-k holds ~100 steps of velocity that leave at once
+    default_residual_bound = 10.0
 
     @classmethod
     def examples(cls):
@@ -80,6 +84,10 @@ class RandomK(Compressor):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self.seed = seed
         self._cache: tuple | None = None
+
+    def warmup(self, fraction):
+        """Density ``density ** fraction``: exponential ramp from dense to the target (DGC)."""
+        return type(self)(**{**self.config(), "density": self.density ** float(fraction)})
 
     def config(self):
         return {"density": self.density, "seed": self.seed}

@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, ScaledCodesDecoder, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
+from .base import Compressor, ScaledCodesDecoder, check_align, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
 from .cuda import dispatch as cuda_dispatch
 from .registry import register
@@ -40,6 +40,10 @@ class ScaledSign(ScaledCodesDecoder):
 
     Args:
         chunk: elements per scale.
+        align: ``"tensor"`` (default): when the hook passes the bucket's parameter shapes, the
+            chunks restart at every tensor, so no scale mixes two tensors
+            (:class:`~compressors.base.ScaledCodesDecoder`); ``"flat"``: chunks of the flat
+            bucket (the layout before issue 17). Costs at most one extra fp32 scale per tensor.
     """
 
     _cuda_decompress = cuda_dispatch.sign_decompress
@@ -59,11 +63,15 @@ class ScaledSign(ScaledCodesDecoder):
     # 128: one scale per 128 signs (1.25 bits/element). On the digits MLP (bench/demo.py, 2
     # ranks, 600 steps, SGD momentum 0.9) chunk 64/128/256/512/2048 reached 0.80/1.08/2.2/5.9/50x
     # dense's final loss: coarse scales that straddle layers are what makes sign + EF lag.
-    def __init__(self, chunk: int = 128):
+    code_bits = 1
+
+    def __init__(self, chunk: int = 128, align: str = "tensor"):
         self.chunk = check_chunk(chunk)
+        self.align = check_align(align)
 
     def config(self):
-        return {"chunk": self.chunk}
+        # align only when not the default: specs (and checkpoints) from before issue 17 read the same
+        return {"chunk": self.chunk} | ({"align": self.align} if self.align != "tensor" else {})
 
     def nchunks(self, numel):
         return -(-numel // self.chunk)
@@ -111,7 +119,7 @@ class ScaledSign(ScaledCodesDecoder):
             t = ws.get("abs", n - nfull * c, torch.float32, x.device)
             s[nfull] = self._abs_into(x[nfull * c:], t).mean()
 
-    def compress(self, x, ctx):
+    def _compress_flat(self, x, ctx):
         check_input(x)
         # CUDA tensors take the csrc/ kernels when CuPy is there (same bits as this path)
         if x.is_cuda and (out := cuda_dispatch.sign_compress(self, x.detach(), ctx)) is not None:

@@ -35,6 +35,7 @@ class TopK(Compressor):
 
     name = "topk"
     families = ("allgather", "two_phase")
+    sparsifies = True
 
     @classmethod
     def examples(cls):
@@ -50,6 +51,10 @@ class TopK(Compressor):
             raise TypeError(f"exact must be a bool, got {exact!r}")
         self.exact = exact
         self.sample = check_density(sample)
+
+    def warmup(self, fraction):
+        """Density ``density ** fraction``: exponential ramp from dense to the target (DGC)."""
+        return type(self)(**{**self.config(), "density": self.density ** float(fraction)})
 
     def config(self):
         cfg = {"density": self.density, "exact": self.exact}

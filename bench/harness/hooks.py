@@ -89,7 +89,8 @@ def _try_state(spec: str, algorithm: str | None, ef: bool | None):
 
 
 def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
-                 auto: bool = True) -> tuple[list[HookConfig], list[tuple[str, str]]]:
+                 auto: bool = True, auto_specs: Sequence = AUTO_SPECS
+                 ) -> tuple[list[HookConfig], list[tuple[str, str]]]:
     """Every hook configuration this installation can run, and what was skipped and why.
 
     Returns:
@@ -134,7 +135,7 @@ def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
             configs.append(HookConfig(f"{short_label(spec, st.error_feedback)}@{alg}", "ours", spec,
                                       alg, ef))
     if auto:
-        for spec in AUTO_SPECS:
+        for spec in auto_specs:
             st, why = _try_state(spec, "auto", None)
             if st is None:
                 skipped.append((f"auto({spec})", why))
@@ -157,8 +158,13 @@ def filter_configs(configs: list[HookConfig], patterns: str | None) -> list[Hook
     return keep
 
 
-def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2):
-    """Register ``cfg`` on a fresh DDP wrapper; returns the hook state (``None`` for dense)."""
+def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2, optimizer=None,
+                **hook_kwargs):
+    """Register ``cfg`` on a fresh DDP wrapper; returns the hook state (``None`` for dense).
+
+    ``optimizer``: given to ``comms.register`` for our hooks (it takes SGD momentum over:
+    momentum correction, issue 17); torch's hooks leave it alone. ``hook_kwargs`` go to
+    ``comms.register`` (e.g. ``warmup_steps``)."""
     if cfg.kind == "dense":
         return None
     if cfg.kind == "torch-fp16":
@@ -179,5 +185,6 @@ def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2):
         import comms
 
         return comms.register(ddp, cfg.spec, process_group=process_group, algorithm=cfg.algorithm,
-                              error_feedback=cfg.error_feedback, start_iter=start_iter)
+                              error_feedback=cfg.error_feedback, start_iter=start_iter,
+                              optimizer=optimizer, **hook_kwargs)
     raise ValueError(f"unknown hook kind {cfg.kind!r}")

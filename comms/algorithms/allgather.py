@@ -91,6 +91,12 @@ class Allgather(Algorithm):
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         return (world - 1) * compressor.wire_bytes(numel, dtype)
 
+    def bucket_wire_bytes(self, compressor, ctx, world):
+        shaped = getattr(compressor, "shaped_wire_bytes", None)
+        if shaped is not None and ctx.known_shapes():  # tensor-aligned scales (sign, QSGD)
+            return (world - 1) * shaped(ctx.known_shapes(), ctx.dtype)
+        return self.wire_bytes(compressor, ctx.numel, ctx.dtype, world)
+
     def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
         return [(tier, "allgather", str(torch.uint8), compressor.wire_bytes(numel, dtype))]
 

@@ -19,13 +19,17 @@ CASES = [("topk:density=0.05", "allgather"), ("randomk:density=0.1", "allreduce"
          ("sign", "allgather")]
 if "two_phase" in comms.ALGORITHMS:
     CASES.append(("topk:density=0.05", "two_phase"))
+# issue 17: momentum correction (velocities per bucket), masking and warm-up across the restart
+CASES += [("topk:density=0.05", "allgather+momentum"), ("sign", "allgather+momentum")]
 
 
 def _setup(spec, alg):
     torch.manual_seed(0)
     model = DDP(make_model(), bucket_cap_mb=0.01)
-    state = comms.register(model, spec, algorithm=alg, start_iter=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    alg, _, momentum = alg.partition("+")
+    extra = {"optimizer": opt, "warmup_steps": 6} if momentum else {}
+    state = comms.register(model, spec, algorithm=alg, start_iter=1, **extra)
     return model, state, opt
 
 
@@ -88,6 +92,11 @@ def test_resume_in_fresh_process_group_is_bitwise(tmp_path):
     assert sd0["iter"] == 5 and sd0["layouts"] and sd0["memory"]["residuals"]
     assert any(not torch.equal(sd0["memory"]["residuals"][b], sd1["memory"]["residuals"][b])
                for b in sd0["memory"]["residuals"])
+    for i, (_, alg) in enumerate(CASES):  # momentum correction saves its velocities
+        if alg.endswith("+momentum"):
+            sd = torch.load(tmp_path / f"case{i}.rank0.pt", weights_only=True)
+            assert sd["comm"]["momentum"] == 0.9 and sd["comm"]["memory"]["velocities"]
+            assert sd["opt"]["param_groups"][0]["momentum"] == 0.0
     resumed = spawn(_resumed_run, 2, str(tmp_path), timeout=110)  # a fresh process group
     for i, (spec, alg) in enumerate(CASES):
         for r in range(2):

@@ -1,0 +1,76 @@
+"""Rank body of the momentum tests (issue 17): the odd embedding + conv + LayerNorm model,
+SGD lr 0.05 momentum 0.9, tiny buckets, a learnable task (labels from a fixed teacher net of
+the same architecture), the loss on a fixed evaluation set.
+
+``train_final(rank, world, spec, algorithm, steps, mode, **hook)`` returns the final loss
+(the same on every rank: replicas are equal). ``mode``:
+
+* ``"dense"``: DDP's own allreduce, SGD momentum 0.9;
+* ``"optimizer"``: ``comms.register(ddp, spec, optimizer=opt)`` with SGD momentum 0.9 — the
+  default way (the hook takes the momentum over from the optimizer);
+* ``"plain"``: ``comms.register(ddp, spec)`` and SGD momentum 0.9, the hook told nothing (the
+  combination that diverged before issue 17);
+* ``"hook"``: ``comms.register(ddp, spec, momentum=0.9)`` and SGD momentum 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import comms
+
+from .replica_ranks import OddNet
+
+__all__ = ["dataset", "train_final"]
+
+LR, MOMENTUM = 0.05, 0.9
+
+
+def dataset(n: int = 512, seed: int = 7):
+    """``n`` token sequences (50 symbols, length 14) labelled by a fixed random teacher OddNet."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 50, (n, 14), generator=g)
+    torch.manual_seed(seed + 1)
+    teacher = OddNet()
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.mul_(3.0)  # sharper logits: a less trivial target than the majority class
+        y = teacher(x).argmax(1)
+    return x, y
+
+
+def train_final(rank: int, world: int, spec: str | None, algorithm: str | None, steps: int,
+                mode: str, batch: int = 16, tail: int = 5, **hook) -> dict:
+    x_all, y_all = dataset()
+    torch.manual_seed(0)
+    model = OddNet()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.0 if mode == "hook" else MOMENTUM)
+    state = None
+    if mode == "optimizer":
+        state = comms.register(ddp, spec, algorithm=algorithm, optimizer=opt, **hook)
+    elif mode == "plain":
+        state = comms.register(ddp, spec, algorithm=algorithm, **hook)
+    elif mode == "hook":
+        state = comms.register(ddp, spec, algorithm=algorithm, momentum=MOMENTUM, **hook)
+    elif mode != "dense":
+        raise ValueError(f"unknown mode {mode!r}")
+    losses = []
+    n = x_all.shape[0]
+    for s in range(steps):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(s))
+        idx = perm[rank * batch: (rank + 1) * batch]
+        loss = nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if s >= steps - tail:
+            with torch.no_grad():
+                losses.append(float(nn.functional.cross_entropy(model(x_all), y_all)))
+    comms.check_replicas(ddp)
+    compressed = 0 if state is None else sum(
+        st.calls for st in state.stats.values() if st.algorithm not in ("dense",))
+    return {"loss": sum(losses) / len(losses), "compressed_calls": compressed,
+            "momentum": None if state is None else state.momentum,
+            "opt_momentum": opt.param_groups[0]["momentum"]}

@@ -1,0 +1,103 @@
+"""Issue 17 options: momentum correction, masking, clipping, the residual bound, the optimizer
+pairing — validation before any communication, the local arithmetic, and the checkpoint."""
+
+import io
+import warnings
+
+import pytest
+import torch
+
+import comms
+from comms import CompressionState
+from compressors import ErrorFeedback
+
+
+@pytest.mark.parametrize("kw, exc", [
+    ({"momentum": 1.0}, ValueError), ({"momentum": -0.1}, ValueError),
+    ({"momentum": "0.9"}, TypeError), ({"momentum": True}, TypeError),
+    ({"clip_norm": 0.0}, ValueError), ({"clip_norm": float("inf")}, ValueError),
+    ({"clip_norm": "1"}, TypeError), ({"momentum_masking": 1}, TypeError),
+    ({"residual_bound": 0.5}, ValueError), ({"residual_bound": "big"}, ValueError),
+])
+def test_bad_options_name_the_value(kw, exc):
+    name = next(iter(kw))
+    with pytest.raises(exc, match=name):
+        CompressionState("topk:density=0.01", None, algorithm="allgather", **kw)
+
+
+def test_residual_bound_defaults():
+    assert CompressionState("randomk:density=0.01", None, algorithm="allreduce").residual_bound == 10.0
+    assert CompressionState("topk:density=0.01", None, algorithm="allgather").residual_bound is None
+    assert CompressionState("randomk", None, algorithm="allreduce", residual_bound=None).residual_bound is None
+
+
+def test_momentum_correction_and_masking_arithmetic():
+    mem = ErrorFeedback()
+    g1, g2 = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5])
+    x = g1.clone()
+    mem.momentum_(0, x, 0.9)
+    assert torch.equal(x, g1)  # first step: u = g, like SGD's first momentum buffer
+    mem.mask_velocity_(0, torch.tensor([0.0, 7.0, 0.0]))  # coordinate 1 was sent
+    x = g2.clone()
+    mem.momentum_(0, x, 0.9)
+    want = torch.tensor([1.0, 0.0, 3.0]).mul_(0.9).add_(g2)
+    assert torch.equal(x, want) and torch.equal(mem.velocities[0], want)
+    mem.reset(0)
+    assert 0 not in mem.velocities
+
+
+def test_state_dict_holds_velocities_and_options():
+    st = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.9, clip_norm=2.0)
+    st.memory.velocities[3] = torch.arange(4.0)
+    sd = st.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert torch.equal(back["memory"]["velocities"][3], torch.arange(4.0))
+    assert (back["momentum"], back["clip_norm"], back["momentum_masking"]) == (0.9, 2.0, True)
+    fresh = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.9, clip_norm=2.0)
+    fresh.load_state_dict(back)
+    assert torch.equal(fresh.memory.velocities[3], torch.arange(4.0))
+    other = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.5, clip_norm=2.0)
+    with pytest.raises(ValueError, match="momentum"):
+        other.load_state_dict(back)
+
+
+def _sgd(**kw):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, **kw)
+
+
+def test_take_over_momentum_and_check_optimizer():
+    opt = _sgd(momentum=0.9)
+    assert comms.take_over_momentum(opt) == 0.9 and opt.param_groups[0]["momentum"] == 0.0
+    assert comms.take_over_momentum(_sgd()) is None
+    for bad in (_sgd(momentum=0.9, nesterov=True), _sgd(momentum=0.9, dampening=0.1)):
+        with pytest.raises(ValueError, match="nesterov|dampening"):
+            comms.take_over_momentum(bad)
+        assert bad.param_groups[0]["momentum"] == 0.9  # unchanged
+    with pytest.raises(TypeError, match="Optimizer"):
+        comms.take_over_momentum("sgd")
+    hooked = CompressionState("sign", None, algorithm="allgather", momentum=0.9)
+    with pytest.raises(ValueError, match="twice"):
+        comms.check_optimizer(hooked, _sgd(momentum=0.9))
+    comms.check_optimizer(hooked, _sgd())
+    plain = CompressionState("sign", None, algorithm="allgather")
+    with pytest.warns(UserWarning, match="can diverge"):
+        comms.check_optimizer(plain, _sgd(momentum=0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        comms.check_optimizer(CompressionState("qsgd:bits=4", None, algorithm="allgather"),
+                              _sgd(momentum=0.9))  # no error feedback: nothing to warn about
+
+
+def test_warmup_ramps_density_then_keeps_the_compressor():
+    st = CompressionState("topk:density=0.01", None, algorithm="allgather", start_iter=2, warmup_steps=4)
+    dens = [st.compressor_at(s).density for s in range(2, 8)]
+    want = [0.01 ** (k / 5) for k in (1, 2, 3, 4)]
+    assert dens[:4] == pytest.approx(want) and dens[4:] == [0.01, 0.01]
+    assert st.compressor_at(7) is st.compressor and not st._warm
+    q = CompressionState("qsgd:bits=4", None, algorithm="allgather", start_iter=0, warmup_steps=4)
+    assert [q.compressor_at(s).bits for s in range(5)] == [8, 8, 4, 4, 4]
+    with pytest.raises(ValueError, match="warmup_steps"):
+        CompressionState("sign", None, algorithm="allgather", warmup_steps=-1)
