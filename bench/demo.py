@@ -63,8 +63,11 @@ def run_rank(rank: int, world: int, hooks: list[str], steps: int, batch: int, lr
     for spec in hooks:
         model = DDP(make_mlp())
         name, _, alg = spec.partition("@")
-        state = None if spec == "dense" else comms.register(model, name, algorithm=alg or None)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        # optimizer=: the hook takes SGD's momentum over where error feedback needs it (the
+        # optimizer then runs with momentum 0; README "Usage")
+        state = None if spec == "dense" else comms.register(model, name, algorithm=alg or None,
+                                                           optimizer=opt)
         g = torch.Generator().manual_seed(1234 + rank)
         times, losses = [], []
         for step in range(steps):

@@ -26,8 +26,8 @@ collectives).
 **Watchdog.** After the lock, every ``watch_every`` steps (default 200) the runner-up (dense
 when a compressed plan is locked, else the best compressed rule) runs for
 ``steps_per_trial`` steps; the agreed comparison with the locked plan's recent steps triggers
-a new tuning when the runner-up now wins, or when the locked plan's recent median drifted by
-more than ``drift`` (25%) from its tuned score (load, link changes). ``state.retune()`` tunes
+a new tuning when the runner-up now wins, or when the locked plan's recent median got slower
+than its tuned score by more than ``drift`` (25%) and 5 ms (load, link changes). ``state.retune()`` tunes
 again on demand.
 
 A rule applies to every bucket of a step: ``"dense"`` (plain allreduce everywhere),
@@ -326,8 +326,10 @@ class Autotuner:
 
     def _should_retune(self, challenger: float, recent: float) -> bool:
         score = self._score()
+        # drift: the locked plan got slower by more than `drift` of its score and by more than
+        # a few ms (millisecond steps on a shared CPU move by 25% from scheduling alone)
         if math.isfinite(recent) and math.isfinite(score) and score > 0 \
-                and abs(recent - score) > self.drift * score:
+                and recent - score > max(self.drift * score, 5 * MIN_GAIN_S):
             return True
         if not (math.isfinite(challenger) and math.isfinite(recent)):
             return False
