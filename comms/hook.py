@@ -88,7 +88,8 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         _local_(state, index, x)
         state.dense_calls += 1
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
-        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter)
+        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter,
+                                   what=what)
     name = state.algorithm_for(index, x.numel(), x.dtype)
     # the auto planner may move a bucket between algorithms (autotune trials): residuals of
     # the old one are added into the bucket once, so no gradient mass is lost
