@@ -23,6 +23,7 @@ group's backend options) unless the user sets ``register(..., timeout=seconds)``
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import threading
@@ -162,6 +163,14 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, name="commpress-heartbeat", daemon=True)
         self._thread.start()
 
+    def stop(self) -> None:
+        """End the beating thread and drop the store (at interpreter exit, see Watchdog.stop)."""
+        self._stop.set()
+        t = self._thread
+        if t and t.is_alive() and t is not threading.current_thread():
+            t.join(2.0)
+        self._store = None
+
     def _beat(self) -> None:
         key = f"{self.PREFIX}{self._rank}"
         while not self._stop.is_set():
@@ -202,6 +211,7 @@ class Heartbeat:
 
 
 HEARTBEAT = Heartbeat()
+atexit.register(HEARTBEAT.stop)
 
 
 def wait(fut: torch.futures.Future, timeout: float | None, what: str):
@@ -247,24 +257,39 @@ class Watchdog:
         self._lock = threading.Lock()
         self._items: list = []
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def watch(self, deadline: float, done: Callable[[], bool], fire: Callable[[], None]) -> None:
         with self._lock:
+            if self._stop.is_set():
+                return  # the interpreter is exiting
             self._items.append((deadline, done, fire))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="commpress-watchdog", daemon=True)
                 self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread and forget every deadline (at interpreter exit: a daemon thread
+        still calling into torch while C++ objects are torn down aborts the process)."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(2.0)
+        with self._lock:
+            self._items = []
 
     def pending(self) -> int:
         with self._lock:
             return len(self._items)
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.poll)
+        while not self._stop.wait(self.poll):
             now = time.monotonic()
             with self._lock:
                 items, self._items = self._items, []
+                if not items:  # idle: end; watch() starts a new thread when needed
+                    self._thread = None
+                    return
             keep, due = [], []
             for it in items:
                 try:
@@ -284,3 +309,4 @@ class Watchdog:
 
 
 WATCHDOG = Watchdog()
+atexit.register(WATCHDOG.stop)
