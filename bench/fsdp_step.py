@@ -26,7 +26,8 @@ import subprocess
 import sys
 import time
 
-import _common  # noqa: F401  (puts the repository root first on sys.path)
+import harness  # noqa: F401,E402  (puts the repository root first on sys.path)
+from harness import launching, machine, tables  # noqa: E402
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -122,26 +123,26 @@ def rank_main(rank: int, world: int, args):
     if rank != 0:
         return None
     cols = ["config", "step_ms", "speedup", "wire_bytes", "wire_ratio", "ef_bytes", "loss"]
-    print(_common.format_table(rows, cols), flush=True)
+    print(tables.format_table(rows, cols), flush=True)
     if args.out:
         load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         numel = sum(p.numel() for p in _model(args).parameters())
         md = [f"# FSDP2 step time: tiny causal transformer, {world} ranks, link {args.link}", "",
               "```", args.command, "```", "",
-              f"Machine: {_common.machine_facts()}. Load at the end of the run: `{load}`.",
+              f"Machine: {machine.machine_facts()}. Load at the end of the run: `{load}`.",
               f"Model {numel} parameters (width {args.width}, depth {args.depth}), batch {args.batch} x "
               f"{SEQ} tokens per rank, AdamW; median of {args.steps} steps after {args.warmup} warm-up "
               "steps, max over ranks. wire_bytes: what one rank sends per step in the gradient "
               "reduce-scatter; ef_bytes: error-feedback memory per rank.", "",
-              _common.format_table(rows, cols, markdown=True), ""]
-        _common.write_text(args.out + ".md", "\n".join(md) + "\n")
+              tables.format_table(rows, cols, markdown=True), ""]
+        tables.write_text(args.out + ".md", "\n".join(md) + "\n")
     return rows
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _common.add_launch_args(p)
+    launching.add_launch_args(p)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
@@ -154,12 +155,12 @@ def main(argv=None):
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.command is None:
-        args.command = _common.shell_command(argv)
+        args.command = launching.shell_command(argv)
         argv = [*argv, "--command", args.command]
     if args.link is None:
         args.link = args.netsim or "unshaped"
         argv = [*argv, "--link", args.link]
-    return _common.launch(os.path.abspath(__file__), rank_main, args, argv)
+    return launching.launch(os.path.abspath(__file__), rank_main, args, argv)
 
 
 if __name__ == "__main__":
