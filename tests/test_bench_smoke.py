@@ -107,3 +107,15 @@ def test_convergence_and_sweep_smoke(tmp_path):
     assert rows[0] == ["hook", "wire_MB", "unshaped", "x@unshaped"]
     assert [r[0] for r in rows[1:]] == ["dense", "torch-fp16", "dense(again)"]
     assert (tmp_path / "sw.csv").exists() and (tmp_path / "sw.md").exists()
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_step_smoke(tmp_path):
+    # FSDP2 dense vs one compressed reduce-scatter on a tiny transformer, 2 gloo ranks
+    out = _run(["bench/fsdp_step.py", "-n", "2", "--no-lock", "--width", "64", "--depth", "1",
+                "--steps", "2", "--warmup", "2", "--specs", "fp16", "--out", str(tmp_path / "fsdp")],
+               timeout=220)
+    rows = {r[0]: r for r in (ln.split() for ln in out.splitlines()) if r}
+    assert "fp16" in rows and "dense" in rows, out[-2000:]
+    assert rows["fp16"][4] == "2", out[-2000:]  # wire_ratio: fp16 halves the reduce-scatter bytes
+    assert os.path.exists(str(tmp_path / "fsdp") + ".md")
