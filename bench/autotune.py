@@ -28,7 +28,7 @@ import sys
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # for harness; last, so that
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/*.py never shadow packages
 import harness  # noqa: E402  (puts the repository root first on sys.path)
-from harness import hooks, machine, tables  # noqa: E402
+from harness import hooks, launching, machine, tables  # noqa: E402
 import ddp_step  # noqa: E402
 
 __all__ = ["configs_for", "rank_main", "main"]
@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    return ddp_step.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
+    return launching.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 
 if __name__ == "__main__":

@@ -316,20 +316,7 @@ def main(argv: list[str] | None = None):
         for what, why in skipped:
             print(f"# skipped {what}: {why}")
         return None
-    return launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
-
-
-def launch_recorded(script: str, body, args, argv: list[str]):
-    """:func:`harness.launching.launch` with the command line and the link rate recorded in
-    ``args`` (and passed on to netsim children, which cannot see the parent's argv), for the
-    results files of this bench and of bench/autotune.py, which shares its parser."""
-    if args.command is None:
-        args.command = launching.shell_command(argv)
-        argv = [*argv, "--command", args.command]
-    if args.link is None:
-        args.link = args.netsim or "unshaped"
-        argv = [*argv, "--link", args.link]
-    return launching.launch(script, body, args, argv)
+    return launching.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 
 if __name__ == "__main__":

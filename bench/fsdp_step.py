@@ -154,13 +154,7 @@ def main(argv=None):
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.command is None:
-        args.command = launching.shell_command(argv)
-        argv = [*argv, "--command", args.command]
-    if args.link is None:
-        args.link = args.netsim or "unshaped"
-        argv = [*argv, "--link", args.link]
-    return launching.launch(os.path.abspath(__file__), rank_main, args, argv)
+    return launching.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 
 if __name__ == "__main__":

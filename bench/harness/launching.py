@@ -27,7 +27,7 @@ from .locks import BENCH_LOCK, file_lock
 from .machine import threads_for
 from .netsim import NetsimRank, rendezvous_port, run_on_hosts
 
-__all__ = ["add_launch_args", "init_distributed", "launch", "netsim_run", "strip_flags",
+__all__ = ["add_launch_args", "init_distributed", "launch", "launch_recorded", "netsim_run", "strip_flags",
            "shell_command"]
 
 
@@ -149,3 +149,16 @@ def shell_command(argv: Sequence[str]) -> str:
     """The command line that reproduces this run, for results files."""
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
     return " ".join(["python", shlex.quote(script), *map(shlex.quote, argv)])
+
+
+def launch_recorded(script: str, body, args, argv: list[str]):
+    """:func:`launch` with the command line and the link rate recorded in
+    ``args`` (and passed on to netsim children, which cannot see the parent's argv), for the
+    results files of the DDP and FSDP step benches."""
+    if args.command is None:
+        args.command = shell_command(argv)
+        argv = [*argv, "--command", args.command]
+    if args.link is None:
+        args.link = args.netsim or "unshaped"
+        argv = [*argv, "--link", args.link]
+    return launch(script, body, args, argv)
