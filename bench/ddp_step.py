@@ -47,8 +47,10 @@ __all__ = ["MODELS", "build_model", "make_batches", "measure", "main"]
 logger = logging.getLogger(__name__)
 
 PROFILES: list = []  # (hook, step ms, profiler table) collected on rank 0 for the .md file
-COLUMNS = ["hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "wire_MB",
-           "wire_ratio", "codec_ms"]
+COLUMNS = ["hook", "algorithm", "buckets", "tuned", "step_ms", "p90_ms", "speedup", "vs_floor",
+           "wire_MB", "wire_ratio", "raw_ms", "codec_ms"]
+FLOOR = "no-comm floor"  # the row of the same model trained without DDP (world size 1)
+MAX_TUNING_STEPS = 120  # auto rows warm up until the autotuner locks, at most this many steps
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -165,10 +167,17 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter,
                                 optimizer=opt if getattr(args, "pairing", "optimizer") == "optimizer" else None)
     warmup = max(args.warmup, args.start_iter + 2)  # the first compressed steps allocate buffers
+    tuner = getattr(getattr(state, "planner", None), "tuner", None)
     times = []
     loss = torch.zeros(())
     prof = None
-    for i in range(warmup + args.steps):
+    i = tuned = 0
+    while i < warmup + args.steps:
+        if i == warmup and tuner is not None and not tuner.locked and tuned < MAX_TUNING_STEPS:
+            # algorithm="auto": measure the steady state, after the tuner locked (every rank
+            # sees the same `locked`: the decision is one agreed collective)
+            warmup += 1
+            tuned += 1
         x, y = batches[i % len(batches)]
         dist.barrier()
         if profile and i == warmup:
@@ -189,6 +198,7 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
             prof = None
         if i >= warmup:
             times.append(dt)
+        i += 1
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     params = [p for p in model.parameters() if p.requires_grad]
@@ -199,14 +209,61 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     row = {"hook": cfg.name,
            "algorithm": wire.config_algorithm(cfg, state, wire.dense_wire_bytes(numel, world)),
            "buckets": len([b for b in sizes.split(",") if b.strip()]) or None,
+           "tuned": (f"{tuner.tuning_steps}" + ("" if tuner.locked else " (not locked)"))
+           if tuner is not None else None,
            "step_ms": 1e3 * statistics.median(ts),
            "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
            "wire_bytes": wire_b, "wire_MB": wire_b / 1e6 if wire_b else None,
            "loss": float(loss.detach())}
     if args.codec:
         row["codec_ms"] = _codec_ms(cfg, numel)
+    row["raw_ms"] = raw_transfer_ms(wire_b, world)
     del ddp, opt, state
     return row
+
+
+def raw_transfer_ms(wire_bytes: int | None, world: int, reps: int = 3) -> float | None:
+    """Median ms of one plain gloo allreduce that makes each rank send ``wire_bytes`` (a ring
+    allreduce of B bytes sends 2(n-1)/n B per rank): the wire-time floor of a row's bytes,
+    measured on the same links in the same run."""
+    if not wire_bytes or world < 2:
+        return None
+    numel = max(1, wire_bytes * world // (2 * (world - 1)) // 4)
+    buf = torch.zeros(numel)
+    dist.all_reduce(buf)  # warm-up: connections and buffers
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        ts.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return 1e3 * float(t)
+
+
+def measure_floor(args, rank: int, world: int) -> dict:
+    """The same model and batches trained without DDP on every rank at once (world size 1, no
+    communication, the cores shared as in the DDP rows): the step no hook can beat."""
+    model = build_model(args.model, args.width, args.depth, args.seed)
+    batches = make_batches(args.model, model, args.batch, rank, seed=args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    times = []
+    for i in range(args.warmup + args.steps):
+        x, y = batches[i % len(batches)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        _loss(model(x), y).backward()
+        opt.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    ts = sorted(t.tolist())
+    return {"hook": FLOOR, "algorithm": "none", "step_ms": 1e3 * statistics.median(ts),
+            "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
+            "wire_bytes": None, "wire_MB": None}
 
 
 def _one_bucket_mb(args) -> float:
@@ -238,9 +295,13 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
         again = measure(configs[0], args, rank, world)
         again["hook"] = "dense(again)"
         rows.append(again)
+    if args.floor:
+        rows.append(measure_floor(args, rank, world))
     dense = next(r for r in rows if r["hook"] == "dense")
+    floor = next((r for r in rows if r["hook"] == FLOOR), None)
     for r in rows:
         r["speedup"] = dense["step_ms"] / r["step_ms"]
+        r["vs_floor"] = r["step_ms"] / floor["step_ms"] if floor else None
         r["wire_ratio"] = dense["wire_bytes"] / r["wire_bytes"] if r["wire_bytes"] else None
     if rank != 0:
         return None
@@ -259,7 +320,15 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
               f"bucket_cap_mb={args.bucket_cap_mb} (torch's powerSGD_hook always gets one bucket: it "
               f"fails on gloo with more), median of {args.steps} steps after warm-up; step time is the max over "
               "ranks; wire bytes are what each rank sends per step (ring allreduce counts "
-              "2(n-1)/n of the buffer).", ""]
+              "2(n-1)/n of the buffer).", "",
+              "Rows `default(...)` are `comms.register(ddp, spec)` with every default "
+              "(algorithm auto: measured after the autotuner locked, `tuned` = its tuning "
+              "steps); rows `name@algorithm` pin an algorithm or a setting (e.g. exact=false) "
+              f"and are hand-picked. `{FLOOR}`: the same model trained without DDP on every "
+              "rank at once (world size 1, no communication); `vs_floor` = step / that. "
+              "`raw_ms`: one plain gloo allreduce that sends the row's wire bytes per rank, "
+              "on the same links in the same run (the wire-time floor). `speedup` is dense "
+              "step / row step.", ""]
         md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
         md.append(tables.format_table(rows, cols, markdown=True))
         for name, ms, table in PROFILES:
@@ -292,6 +361,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-repeat-dense", dest="repeat_dense", action="store_false",
                    help="do not measure dense again at the end (the drift check)")
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help=f"skip the '{FLOOR}' row (the model trained without DDP on every rank)")
     p.add_argument("--no-codec", dest="codec", action="store_false",
                    help="skip the standalone compress+decompress timing column")
     p.add_argument("--profile", default=None, metavar="HOOK[,HOOK]",

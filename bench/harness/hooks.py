@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["HookConfig", "OURS", "AUTO_SPECS", "short_label", "hook_configs", "filter_configs",
-           "attach_hook"]
+__all__ = ["HookConfig", "OURS", "AUTO_SPECS", "DEFAULT_SPECS", "short_label", "hook_configs",
+           "filter_configs", "attach_hook"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,9 @@ class HookConfig:
         algorithm: aggregation algorithm for ``"ours"`` (``None``: the state's default).
         error_feedback: for ``"ours"``; ``None`` lets the state decide.
         rank: PowerSGD matrix rank for ``"torch-powersgd"``.
+        default: ``comms.register(model, spec)`` with every default (``algorithm="auto"``,
+            its error-feedback choice): what a user gets out of the box. Benches lead with
+            these rows; the others pin an algorithm or a setting and are labelled so.
     """
 
     name: str
@@ -41,6 +44,7 @@ class HookConfig:
     algorithm: str | None = None
     error_feedback: bool | None = None
     rank: int = 0
+    default: bool = False
 
 
 # Our compressors in the benches: (spec, error feedback, which algorithms). "each" means every
@@ -60,6 +64,9 @@ OURS = (
 # or a compressed algorithm per bucket, so it should never be much slower than dense
 AUTO_SPECS = ("qsgd:bits=8", "powersgd:rank=1", "topk:density=0.01,exact=false")
 AUTO_ALGORITHMS = ("auto",)
+# the default path: each compressor's spec as a user writes it, nothing else set (issue 11/12)
+DEFAULT_SPECS = ("qsgd:bits=8", "qsgd:bits=4", "topk:density=0.01", "sign", "randomk:density=0.01",
+                 "powersgd:rank=1", "fp16")
 
 
 def short_label(spec: str, ef: bool | None) -> str:
@@ -89,9 +96,13 @@ def _try_state(spec: str, algorithm: str | None, ef: bool | None):
 
 
 def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
-                 auto: bool = True, auto_specs: Sequence = AUTO_SPECS
+                 auto: bool = True, auto_specs: Sequence = AUTO_SPECS,
+                 defaults: Sequence = DEFAULT_SPECS
                  ) -> tuple[list[HookConfig], list[tuple[str, str]]]:
     """Every hook configuration this installation can run, and what was skipped and why.
+
+    Order: dense, torch's hooks, the default path of every spec in ``defaults`` (named
+    ``default(qsgd8)``...), then the pinned configurations (``topk1%+ef@allgather``...).
 
     Returns:
         ``(configs, skipped)``; ``skipped`` is a list of ``(what, reason)``.
@@ -105,6 +116,14 @@ def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
         configs += [HookConfig("torch-fp16", "torch-fp16"),
                     HookConfig("torch-psgd-r1", "torch-powersgd", rank=1),
                     HookConfig("torch-psgd-r4", "torch-powersgd", rank=4)]
+    for spec in defaults:
+        name = compressors.parse_spec(spec)[0]
+        st, why = _try_state(spec, "auto", None) if name in compressors.REGISTRY else (None, "not installed")
+        if st is None:
+            skipped.append((f"default({spec})", why))
+            continue
+        configs.append(HookConfig(f"default({short_label(spec, None)})", "ours", spec, None, None,
+                                  default=True))
     algs = []
     for a, fn in comms.ALGORITHMS.items():
         if a in AUTO_ALGORITHMS:
@@ -181,6 +200,11 @@ def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2, o
                                          random_seed=0)
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
         return st
+    if cfg.kind == "ours" and cfg.default:  # exactly what a user writes: nothing but the spec
+        import comms
+
+        return comms.register(ddp, cfg.spec, process_group=process_group, optimizer=optimizer,
+                              **hook_kwargs)
     if cfg.kind == "ours":
         import comms
 

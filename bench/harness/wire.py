@@ -50,7 +50,7 @@ def config_algorithm(cfg: HookConfig, state, dense_bytes: int) -> str:
     """The algorithm column: for ``auto``, what the planner chose for the buckets."""
     if cfg.kind != "ours":
         return cfg.kind
-    if cfg.algorithm != "auto":
+    if cfg.algorithm != "auto" and not cfg.default:
         return cfg.algorithm or "-"
     stats = getattr(state, "stats", {}) or {}
     chosen = sorted({s.algorithm for s in stats.values()})
