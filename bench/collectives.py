@@ -11,7 +11,16 @@ different compressors compare directly. ``#wrong`` counts elements whose error a
 dense fp64 reference is outside the algorithm's bound (the sum of per-rank compressor
 bounds; two-phase adds the owner's re-compression bound; shared-scale one shared-scale step
 per rank; plus fp slack). ``wire_B`` is bytes sent per rank, ``ratio`` dense/wire bytes,
-``relerr`` ``||out - ref|| / ||ref||``.
+``relerr`` ``||out - ref|| / ||ref||``. The floors measured in the same run: ``raw`` (us) is
+one plain allreduce that makes each rank send ``wire_B`` (the link-rate transfer time of the
+row's bytes), ``codec`` (us) the same algorithm on a
+:class:`~comms.communicator.LoopbackCommunicator` (all its CPU work — codec, glue, decoding
+``W`` payloads — with nothing on the wire), ``floor_x = time / (raw + codec)``.
+
+``--transport`` adds raw transport rows (no codec): gloo's own allgather / all_to_all /
+allreduce and commpress's pipelined point-to-point exchange
+(:mod:`comms.pipelined_exchange`) of ``size / 4`` bytes per rank (a 4x-compressed payload),
+their ``wire_B`` what each rank sends.
 
 Runs three ways::
 
@@ -45,7 +54,10 @@ __all__ = ["main", "parse_size", "split_specs", "HEADER_COLUMNS"]
 logger = logging.getLogger(__name__)
 
 HEADER_COLUMNS = ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
-                  "compressor", "algorithm", "wire_B", "ratio", "relerr")
+                  "compressor", "algorithm", "wire_B", "ratio", "relerr", "raw", "codec", "floor_x")
+# the transport rows of --transport: (label, how) for one payload of `size` bytes per rank
+TRANSPORTS = ("gloo allgather", "pipelined allgather", "gloo all_to_all", "pipelined all_to_all",
+              "gloo allreduce")
 _DENSE = ("none", "dense")
 _PREFERENCE = ("allreduce", "allgather", "two_phase", "shared_scale")  # cheapest family first
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -95,6 +107,10 @@ def _args(argv=None):
     p.add_argument("--threads", type=int, default=int(os.environ.get("COMMPRESS_THREADS", "1")),
                    help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transport", action="store_true",
+                   help="also time raw transports (gloo's collectives vs the pipelined exchange)")
+    p.add_argument("--no-floors", dest="floors", action="store_false",
+                   help="skip the raw and codec floor columns")
     a = p.parse_args(argv)
     if a.stepfactor < 2:
         p.error("-f must be >= 2")
@@ -152,6 +168,72 @@ def _max_over_ranks(comm, value: float) -> float:
     return float(comm.all_gather(t).wait().max())
 
 
+def _timed(fn, iters: int) -> float:
+    """Mean seconds of ``fn()`` over ``iters`` calls after one warm-up."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def raw_allreduce_us(comm, wire_bytes: int, iters: int) -> float:
+    """Max over ranks of one plain allreduce that sends ``wire_bytes`` per rank (ring:
+    ``2 (W-1)/W`` of the buffer), in microseconds."""
+    world = comm.world_size
+    buf = torch.zeros(max(1, wire_bytes * world // (2 * (world - 1)) // 4))
+    comm.all_reduce(torch.zeros(1)).wait()
+    return _max_over_ranks(comm, _timed(lambda: comm.all_reduce(buf).wait(), iters)) * 1e6
+
+
+def codec_alone_us(comm, alg, c, x, seed: int, iters: int) -> float:
+    """Max over ranks of the algorithm's CPU work alone: the same call on a
+    :class:`~comms.communicator.LoopbackCommunicator` of this world size."""
+    import compressors
+    from comms.communicator import LoopbackCommunicator
+
+    loop = LoopbackCommunicator(comm.world_size, comm.rank)
+    store: dict = {}
+    step = [0]
+
+    def once():
+        step[0] += 1
+        ctx = compressors.Context(numel=x.numel(), step=step[0], bucket=0, rank=comm.rank, seed=seed)
+        alg(loop, c, x, ctx, store).wait()
+
+    return _max_over_ranks(comm, _timed(once, iters)) * 1e6
+
+
+def transport_rows(comm, size: int, iters: int) -> list[tuple[str, float, int]]:
+    """``(label, us, bytes sent per rank)`` of each raw transport of ``size // 4`` bytes."""
+    import torch.distributed as dist
+    from comms.communicator import _AG
+    from comms.pipelined_exchange import PipelinedExchange
+
+    world = comm.world_size
+    n = max(world, size // 4 // world * world)
+    x = torch.full((n,), comm.rank % 251, dtype=torch.uint8)
+    out = torch.empty(world * n, dtype=torch.uint8)
+    group = getattr(comm, "group", None)
+    ex = PipelinedExchange(group, comm.rank, world)
+    runs = {
+        "gloo allgather": lambda: _AG(out, x, group=group),
+        "pipelined allgather": lambda: ex.all_gather(x).wait(),
+        "gloo all_to_all": lambda: dist.all_to_all_single(out[:n], x, group=group),
+        "pipelined all_to_all": lambda: ex.all_to_all(x).wait(),
+        "gloo allreduce": lambda: dist.all_reduce(x.view(torch.int8)[: n // 2 * 2], group=group),
+    }
+    sent = {"gloo allgather": (world - 1) * n, "pipelined allgather": (world - 1) * n,
+            "gloo all_to_all": (world - 1) * n // world, "pipelined all_to_all": (world - 1) * n // world,
+            "gloo allreduce": 2 * (world - 1) * (n // 2 * 2) // world}
+    rows = []
+    for label in TRANSPORTS:
+        comm.all_reduce(torch.zeros(1)).wait()
+        rows.append((label, _max_over_ranks(comm, _timed(runs[label], iters)) * 1e6, sent[label]))
+    ex.stop()
+    return rows
+
+
 def run(comm, args, out=sys.stdout):
     """The bench body on every rank; rank 0 prints. Returns the rows (rank 0) or []."""
     import compressors
@@ -174,9 +256,10 @@ def run(comm, args, out=sys.stdout):
     say(f"# {'':>60}out-of-place")
     say(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  {'time':>7}  "
         f"{'algbw':>6}  {'busbw':>6}  {'#wrong':>6}  {'compressor':>24}  {'algorithm':>12}  "
-        f"{'wire_B':>12}  {'ratio':>6}  {'relerr':>9}")
+        f"{'wire_B':>12}  {'ratio':>6}  {'relerr':>9}  {'raw':>8}  {'codec':>8}  {'floor_x':>7}")
     say(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}  {'(us)':>7}  "
-        f"{'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}")
+        f"{'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}  {'':>24}  {'':>12}  {'':>12}  {'':>6}  {'':>9}  "
+        f"{'(us)':>8}  {'(us)':>8}")
     rows = []
     size = args.minbytes
     sizes = []
@@ -228,10 +311,16 @@ def run(comm, args, out=sys.stdout):
             dense_b = 2 * (world - 1) * nbytes // world
             wire = dense_b if c is None else alg.wire_bytes(c, count, torch.float32, world)
             spec = "dense" if c is None else c.spec()
+            raw_us = codec_us = float("nan")
+            if args.floors and getattr(comm, "backend", "") != "loopback":
+                raw_us = raw_allreduce_us(comm, wire, args.iters)
+                codec_us = 0.0 if c is None else codec_alone_us(comm, alg, c, xs[rank], args.seed, args.iters)
+            floor_x = t_us / (raw_us + codec_us)
             row = {"size": nbytes, "count": count, "type": "float", "redop": "sum", "root": -1,
                    "time_us": t_us, "algbw": algbw, "busbw": busbw, "wrong": wrong,
                    "compressor": spec, "algorithm": name, "wire_bytes": wire,
                    "ratio": dense_b / wire if wire else float("inf"), "relerr": relerr, "world": world,
+                   "raw_us": raw_us, "codec_us": codec_us, "floor_x": floor_x,
                    "backend": comm.backend}
             rows.append(row)
             busbw_sum += busbw
@@ -239,7 +328,14 @@ def run(comm, args, out=sys.stdout):
             wrong_total += max(wrong, 0)
             say(f"  {nbytes:>10}  {count:>12}  {'float':>8}  {'sum':>6}  {-1:>6}  {t_us:>7.0f}  "
                 f"{algbw:>6.3f}  {busbw:>6.3f}  {wrong if args.check else 'N/A':>6}  {spec:>24}  "
-                f"{name:>12}  {wire:>12}  {row['ratio']:>6.2f}  {relerr:>9.2e}")
+                f"{name:>12}  {wire:>12}  {row['ratio']:>6.2f}  {relerr:>9.2e}  {raw_us:>8.0f}  "
+                f"{codec_us:>8.0f}  {floor_x:>7.2f}")
+        if args.transport and comm.backend == "gloo":
+            for label, us, sent in transport_rows(comm, nbytes, args.iters):
+                rows.append({"size": nbytes // 4, "time_us": us, "compressor": "raw", "algorithm": label,
+                             "wire_bytes": sent, "world": world, "backend": comm.backend})
+                say(f"  {nbytes // 4:>10}  {nbytes // 4:>12}  {'uint8':>8}  {'-':>6}  {-1:>6}  {us:>7.0f}  "
+                    f"{nbytes / 4 / us / 1e3:>6.3f}  {'-':>6}  {'-':>6}  {'raw':>24}  {label:>12}  {sent:>12}")
         del xs, ref
     say(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}")
     say(f"# Avg bus bandwidth    : {busbw_sum / max(nbw, 1):.6g}")

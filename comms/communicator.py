@@ -15,8 +15,10 @@ import torch.distributed as dist
 
 from .deadline import group_timeout, wait
 from .futures import completed
+from .pipelined_exchange import PipelinedExchange, use_pipelined
 
-__all__ = ["Communicator", "TorchCommunicator", "LocalCommunicator", "allreduce_max"]
+__all__ = ["Communicator", "TorchCommunicator", "LocalCommunicator", "LoopbackCommunicator",
+           "allreduce_max"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,11 @@ class TorchCommunicator(Communicator):
     """torch.distributed (gloo, nccl) on any process group, ``None`` meaning WORLD.
 
     The group handle is not pickled (DDP hook states pickle without process groups).
+
+    On gloo, large CPU ``all_gather`` and ``all_to_all`` calls go through
+    :class:`~comms.pipelined_exchange.PipelinedExchange` (chunked point-to-point with every
+    peer at once: the link rate, where gloo's one-message collectives reach about half of it);
+    the rest call torch.distributed directly.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None):
@@ -71,17 +78,29 @@ class TorchCommunicator(Communicator):
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self.timeout = group_timeout(group)
+        self._exchange: PipelinedExchange | None = None
+
+    def exchange(self) -> PipelinedExchange:
+        """This communicator's pipelined point-to-point exchange (one worker thread, made on
+        first use)."""
+        if self._exchange is None:
+            self._exchange = PipelinedExchange(self.group, self.rank, self.world_size)
+        return self._exchange
 
     def all_reduce(self, t):
         return _then_value(dist.all_reduce(t, group=self.group, async_op=True), t)
 
     def all_gather(self, t):
+        if use_pipelined(t, self.backend, self.world_size):
+            return self.exchange().all_gather(t)
         out = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
         return _then_value(_all_gather_into(out, t, self.group), out)
 
     def all_to_all(self, t):
         if t.numel() % self.world_size:
             raise ValueError(f"all_to_all needs numel divisible by world={self.world_size}, got {t.numel()}")
+        if use_pipelined(t, self.backend, self.world_size, t.numel() * t.element_size() // self.world_size):
+            return self.exchange().all_to_all(t)
         out = torch.empty_like(t)
         return _then_value(dist.all_to_all_single(out, t, group=self.group, async_op=True), out)
 
@@ -136,6 +155,38 @@ class LocalCommunicator(Communicator):
 
     def reduce_scatter(self, t):
         return completed(t.clone())
+
+    def broadcast(self, t, src=0):
+        return completed(t)
+
+
+class LoopbackCommunicator(Communicator):
+    """``world`` ranks that all hold what this one holds, with nothing on a wire: an
+    algorithm run on it does all its CPU work (codec, glue, decode of ``world`` payloads) at
+    zero transfer time — the "codec time measured alone" of ``bench/collectives.py``. Every
+    collective completes at once: ``all_gather`` repeats ``t`` ``world`` times, ``all_to_all``
+    returns a copy, ``reduce_scatter`` this rank's chunk, ``all_reduce`` and ``broadcast``
+    leave ``t`` (values are not sums: for timing only)."""
+
+    backend = "loopback"
+
+    def __init__(self, world: int, rank: int = 0):
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"LoopbackCommunicator needs 0 <= rank < world, got rank={rank} world={world}")
+        self.world_size, self.rank = world, rank
+
+    def all_reduce(self, t):
+        return completed(t)
+
+    def all_gather(self, t):
+        return completed(t.repeat(self.world_size))
+
+    def all_to_all(self, t):
+        return completed(t.clone())
+
+    def reduce_scatter(self, t):
+        n = t.numel() // self.world_size
+        return completed(t[self.rank * n:(self.rank + 1) * n].clone())
 
     def broadcast(self, t, src=0):
         return completed(t)

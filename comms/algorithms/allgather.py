@@ -13,6 +13,7 @@ import torch
 
 from ..deadline import advice
 from ..errors import where
+from . import buffers
 from .base import Algorithm, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def _sum_in_rank_order(compressor, ctx, payloads):
     acc_dtype = torch.float32 if ctx.dtype in (torch.float16, torch.bfloat16) else ctx.dtype
-    acc = torch.zeros(ctx.numel, dtype=acc_dtype, device=ctx.device)
+    acc = buffers.zeros(ctx.numel, acc_dtype, ctx.device)
     for r, p in enumerate(payloads):
         compressor.decompress_add_(p, ctx.with_(rank=r, dtype=acc_dtype), acc)
     return acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
@@ -32,7 +33,7 @@ def _sum_in_rank_order(compressor, ctx, payloads):
 def _allgather(comm, compressor, x, ctx, store):
     """Allgather the compressed payloads, decode each, sum in rank order."""
     payload = compressor.compress(x, ctx)
-    own = compressor.decompress(payload, ctx)
+    own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
     layout = layout_of(payload)
     buf = to_bytes(payload)
     world = comm.world_size

@@ -21,6 +21,7 @@ import torch
 
 from compressors import Context
 
+from . import buffers
 from .base import Algorithm, round_wait
 from .wire import layout_of
 
@@ -59,7 +60,8 @@ def _power_iteration(comm, compressor, x, ctx, store):
     """Two allreduces (``P`` then ``Q``) of the power-iteration protocol; see the docstring."""
     rnd = compressor.first_round(x, ctx, store)
     if rnd is None:  # nothing worth factorizing: dense, own == x so the residual is zero
-        return comm.all_reduce(x.detach().clone()).then(lambda f: (f.value(), x))
+        wire = buffers.empty(x.numel(), x.dtype, x.device).copy_(x.detach().reshape(-1))
+        return comm.all_reduce(wire).then(lambda f: (f.value(), x))
     # intermediate round: waited here, in program order (bounded: comms.deadline)
     round_wait(comm, comm.all_reduce(rnd.p), ctx, "PowerSGD P allreduce round")
     q = compressor.second_round(rnd)
@@ -85,7 +87,7 @@ class Allreduce(Algorithm):
         if compressor.allreduce_rounds == 2:
             return _power_iteration(comm, compressor, x, ctx, store)
         payload = compressor.compress(x, ctx)
-        own = compressor.decompress(payload, ctx)
+        own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
         dtypes = {t.dtype for t in payload}
         if len(dtypes) != 1:
             raise TypeError(f"{compressor.name} payload mixes dtypes {sorted(map(str, dtypes))}; "
@@ -101,7 +103,7 @@ class Allreduce(Algorithm):
             for n, _ in layout:
                 summed.append(wire[off: off + n])
                 off += n
-            return compressor.decompress(summed, ctx), own
+            return compressor.decompress_into(summed, ctx, buffers.empty(ctx.numel, ctx.dtype, wire.device)), own
 
         return comm.all_reduce(wire).then(done)
 

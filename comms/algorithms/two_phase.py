@@ -36,6 +36,7 @@ import torch
 
 
 from . import cuda_kernels as cuda_dispatch
+from . import buffers
 from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
@@ -101,7 +102,7 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
     if any(layout_of(p) != layout for p in payloads[1:]):
         raise RuntimeError(f"{compressor.spec()} produced unequal chunk payloads; two_phase needs equal ones")
     stride = nb + (0 if tail is None else tail.numel())
-    send = torch.empty(world * stride, dtype=torch.uint8, device=x.device)
+    send = buffers.empty(world * stride, torch.uint8, x.device)
     rows = send.view(world, stride)
     for j, p in enumerate(payloads):
         to_bytes(p, out=rows[j, :nb])
@@ -110,9 +111,9 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
     fut = comm.all_to_all(send)
 
     # while the exchange is in flight: this rank's decoded contribution, for first-stage EF
-    own = torch.empty(world * m, dtype=ctx.dtype, device=x.device)
+    own = buffers.empty(world * m, ctx.dtype, x.device)
     for j, p in enumerate(payloads):
-        own[j * m:(j + 1) * m] = compressor.decompress(p, chunk_context(ctx, world, 1, j, rank))
+        compressor.decompress_into(p, chunk_context(ctx, world, 1, j, rank), own[j * m:(j + 1) * m])
     return fut, own, layout, nb, stride
 
 
@@ -122,7 +123,7 @@ def decode_sum(compressor, recv: torch.Tensor, layout, nb: int, stride: int, ctx
     order** into zeros (fp32, fp64 for fp64 buckets) — one summation order on every run."""
     m = -(-ctx.numel // world)
     acc_dtype = _acc_dtype(ctx.dtype)
-    acc = torch.zeros(m, dtype=acc_dtype, device=recv.device)
+    acc = buffers.zeros(m, acc_dtype, recv.device)
     for i in range(world):
         compressor.decompress_add_(from_bytes(recv[i * stride:i * stride + nb], layout),
                                    chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
@@ -161,17 +162,18 @@ def _two_phase(comm, compressor, x, ctx, store):
             res = store.get(_RESIDUAL)
             if res is None or res.numel() != m or res.dtype != ctx.dtype or res.device != x.device:
                 res = store[_RESIDUAL] = torch.empty(m, dtype=ctx.dtype, device=x.device)
-            torch.sub(owner_in, compressor.decompress(p2, ctx2), out=res)
+            torch.sub(owner_in, compressor.decompress_into(p2, ctx2, buffers.empty(m, ctx.dtype, x.device)),
+                      out=res)
     layout2 = layout_of(p2)
     nb2 = nbytes_of(layout2)
     fut2 = comm.all_gather(to_bytes(p2))
 
     def done(f):
         g = f.value()
-        out = torch.empty(world * m, dtype=ctx.dtype, device=x.device)
+        out = buffers.empty(world * m, ctx.dtype, x.device)
         for i in range(world):  # the owner decodes its own payload from the wire, like everyone
-            out[i * m:(i + 1) * m] = compressor.decompress(from_bytes(g[i * nb2:(i + 1) * nb2], layout2),
-                                                           chunk_context(ctx, world, 2, i, i))
+            compressor.decompress_into(from_bytes(g[i * nb2:(i + 1) * nb2], layout2),
+                                       chunk_context(ctx, world, 2, i, i), out[i * m:(i + 1) * m])
         return out[:n], own[:n]
 
     return fut2.then(done)
