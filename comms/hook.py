@@ -114,9 +114,14 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     alg = get_algorithm(name)
     compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
     x.div_(world)
-    _local_(state, index, x)
-    if state.error_feedback:
-        bound = state.residual_bound
+    bound = state.residual_bound
+    # momentum correction then the residual, written into x once (same bits as in turn)
+    fused = state.error_feedback and bound is None and state.momentum is not None and state.clip_norm is None
+    if fused:
+        state.memory.momentum_residual_(index, x, state.momentum)
+    else:
+        _local_(state, index, x)
+    if state.error_feedback and not fused:
         if bound is None:
             state.memory.add_residual_(index, x)
         else:  # x + r scaled down to at most bound * |x|: mass beyond it is dropped

@@ -89,6 +89,15 @@ class ErrorFeedback:
         x.copy_(u)
         return x
 
+    def momentum_residual_(self, bucket: int, x: torch.Tensor, momentum: float) -> torch.Tensor:
+        """:meth:`momentum_` then :meth:`add_residual_` in one pass fewer: ``x <- u + r``
+        written once instead of ``x <- u; x += r`` (same bits: one rounding either way)."""
+        u, r = self.velocity(bucket, x), self.residual(bucket, x)
+        if u is None or r is None:
+            return self.add_residual_(bucket, self.momentum_(bucket, x, momentum))
+        u.mul_(momentum).add_(x)
+        return torch.add(u, r, out=x)
+
     def mask_velocity_(self, bucket: int, sent: torch.Tensor) -> None:
         """Momentum factor masking: ``u[sent != 0] = 0`` (``sent``: this rank's own decoded
         payload; nonzero where the sparsifier sent a value)."""

@@ -78,3 +78,22 @@ def test_residual_reset_on_layout_change_and_state_dict():
     assert torch.equal(ef2.residuals[1], ef.residuals[1])
     ef.reset(1)
     assert 1 not in ef.residuals
+
+
+def test_momentum_residual_fused_equals_momentum_then_residual():
+    # the hook's fused local step: x <- (m u + x) + r in one write, the same bits as
+    # momentum_ then add_residual_, on the first call (no velocity yet) and after
+    g = torch.Generator().manual_seed(7)
+    a, b = ErrorFeedback(), ErrorFeedback()
+    for step in range(3):
+        x = torch.randn(1001, generator=g) * 10.0 ** (step - 1)
+        x[::97] = -0.0
+        xa, xb = x.clone(), x.clone()
+        a.momentum_(0, xa, 0.9)
+        a.add_residual_(0, xa)
+        b.momentum_residual_(0, xb, 0.9)
+        assert torch.equal(xa, xb) and torch.equal(xa.signbit(), xb.signbit())
+        assert torch.equal(a.velocities[0], b.velocities[0])
+        own = torch.where(xa.abs() > xa.abs().median(), xa, torch.zeros_like(xa))
+        a.update_(0, xa, own)
+        b.update_(0, xb, own)
