@@ -278,7 +278,8 @@ class PowerSGD(Compressor):
         The aggregate must be bitwise equal on every rank, so the products are summed in a
         fixed order (:func:`outer_sum_into`), never by BLAS; this rank's own part (for error
         feedback) is decoded the same way, so that at world size 1 it equals the aggregate."""
-        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=pbuf.device)
+        # reused memory once unreferenced (a fresh bucket-sized tensor page-faults: twice a step)
+        out = self.payload_pool().empty(ctx.numel, ctx.dtype, pbuf.device)
         for g in plan.groups:
             p, q = self._pv(pbuf, g), self._qv(qbuf, g)
             rc = g.rows * g.cols
