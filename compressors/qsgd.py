@@ -254,6 +254,11 @@ class QSGD(ScaledCodesDecoder):
             if bits != 8:
                 nb0 = b0 * bits // 8  # b0 is a multiple of 8 (B is)
                 pack(codes, bits, out=packed[nb0:nb0 + packed_nbytes(L, bits)], ws=ws)
+        # a NaN scale's bits depend on which max/abs kernel met it first (torch's vector max
+        # gives 0xFFFFFFFF): one canonical quiet NaN, as the compiled kernel writes
+        sn = numpy_view(s)
+        if sn is not None:
+            sn[np.isnan(sn)] = np.nan
         return [s, packed]
 
     @staticmethod

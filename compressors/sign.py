@@ -35,6 +35,14 @@ logger = logging.getLogger(__name__)
 _GRAIN = 32768  # at::internal::GRAIN_SIZE: one-output reductions above it split across threads
 
 
+def _canonical_nan_(s: torch.Tensor) -> None:
+    """NaN scales as the one quiet NaN 0x7FC00000 (a NaN's bits after torch's sum depend on
+    the kernel that met it; the compiled kernel writes this one)."""
+    sn = numpy_view(s)
+    if sn is not None:
+        sn[np.isnan(sn)] = np.nan
+
+
 _LANES_OK: dict = {}
 
 
@@ -166,6 +174,7 @@ class ScaledSign(ScaledCodesDecoder):
             lanes = _kernel_lanes(ck, c) if c < _GRAIN else None
             if lanes is None:
                 self._scales_blocked(x, s, B)
+                _canonical_nan_(s)
             ck.cp_sign_encode(x.data_ptr(), dt, n, c, lanes or 8,
                               None if lanes is None else s.data_ptr(), packed.data_ptr(),
                               cpu_kernels.threads())
@@ -198,6 +207,7 @@ class ScaledSign(ScaledCodesDecoder):
             else:
                 torch.ge(x[b0:b1], 0, out=bb)
             pack(bb, 1, out=packed[b0 // 8:b0 // 8 + packed_nbytes(L, 1)], ws=ws)
+        _canonical_nan_(s)
         return [s, packed]
 
     def _decode(self, payload, ctx, out, accumulate):

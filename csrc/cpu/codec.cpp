@@ -318,7 +318,8 @@ void sign_encode(const void* x, i64 n, i64 chunk, float* scales, u8* packed, int
       if (scales)
         for (i64 c0 = w0; c0 < w1; c0 += chunk) {
           const i64 L = std::min(chunk, n - c0);
-          scales[c0 / chunk] = torch_abs_sum<W, DT>(x, c0, L) / (float)L;
+          const float sc = torch_abs_sum<W, DT>(x, c0, L) / (float)L;
+          scales[c0 / chunk] = sc != sc ? bits_f32(0x7fc00000u) : sc;  // one canonical NaN
         }
       for (i64 i = w0; i < w1; ++i) flags[i - w0] = load<DT>(x, i) >= 0.0f;
       pack_codes(flags.data(), w1 - w0, 1, packed + w0 / 8);
@@ -454,8 +455,16 @@ int topk_exact(const void* x, i64 n, i64 k, u32* out_idx, void* out_vals, u32* i
     if (DT == 0) static_cast<u32*>(out_vals)[o] = R[j];
     else static_cast<u16*>(out_vals)[o] = (u16)R[j];
   };
+  if (k >= n) {  // everything, in index order
+    for (i64 i = 0; i < n; ++i) {
+      out_idx[i] = (u32)i;
+      if (DT == 0) static_cast<u32*>(out_vals)[i] = raw_at<DT>(x, i);
+      else static_cast<u16*>(out_vals)[i] = (u16)raw_at<DT>(x, i);
+    }
+    return 0;
+  }
   i64 total = -1;
-  if (k < n) {
+  {
     // the sample: 16 consecutive elements (a cache line of fp32) every `stride` elements
     const i64 want = std::min<i64>(n, std::max<i64>(32768, (i64)((double)n / (double)k * 1024.0)));
     const i64 groups = std::max<i64>(1, want / 16);
