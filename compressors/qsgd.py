@@ -203,6 +203,7 @@ class QSGD(ScaledCodesDecoder):
         if n == 0:
             return [s, packed]
         key = stream_key(ctx.seed, ctx.step, ctx.bucket, ctx.rank)
+        B = self.block_for(dev)  # validates a user-set block even where the kernel runs
         ck = cpu_kernels.lib(x)
         if ck is not None and x.is_contiguous() and cpu_kernels.dtype_code(x.dtype) is not None:
             # one fused pass per chunk (scale, rounding, codes, packing); same bits as below
