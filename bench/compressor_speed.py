@@ -1,6 +1,6 @@
 """CPU speed of the compressors against one tensor copy, torch.topk and a naive quantizer.
 
-One process, one thread (``torch.set_num_threads(1)``), one run: every case is timed in the
+One process, ``--threads`` torch threads (default 1; ``1,2`` gives a table for each), one run: every case is timed in the
 same run, round robin (case A, B, C, ..., then again), so load from other processes on the
 machine hits all of them alike; each time is the median of ``--reps`` repetitions after one
 warm-up call (which allocates the compressors' reused scratch buffers). Wall-clock times are
@@ -44,7 +44,7 @@ from harness.machine import cpu_model  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from compressors import QSGD, Context, ScaledSign, TopK  # noqa: E402
+from compressors import BF16, FP16, QSGD, Context, RandomK, ScaledSign, TopK, cpu_kernels  # noqa: E402
 
 ROOT = harness.ROOT
 
@@ -90,6 +90,7 @@ def cases(n: int):
 
     q8, q4, sg = QSGD(8), QSGD(4), ScaledSign()
     tk, ta = TopK(0.01), TopK(0.01, exact=False)
+    f16, b16, rk = FP16(), BF16(), RandomK(0.01)
     return [
         ("copy", "buf.copy_(x), preallocated", lambda: buf.copy_(x)),
         ("qsgd8", f"{q8!r} compress + decompress_into", roundtrip(q8)),
@@ -97,10 +98,15 @@ def cases(n: int):
         ("qsgd8 fresh", f"{q8!r} compress + decompress (fresh output)", roundtrip_fresh(QSGD(8))),
         ("qsgd4", f"{q4!r} compress + decompress_into", roundtrip(q4)),
         ("sign", f"{sg!r} compress + decompress_into", roundtrip(sg)),
+        ("sign compress", f"{sg!r} compress only", compress_only(ScaledSign())),
+        ("fp16", f"{f16!r} compress + decompress_into", roundtrip(f16)),
+        ("bf16", f"{b16!r} compress + decompress_into", roundtrip(b16)),
+        ("randomk", f"{rk!r} compress + decompress_into", roundtrip(rk)),
         ("naive q8", "torch 8-bit, rand_like rounding, + decode",
          lambda: naive_dq8(*naive_q8(x))),
         ("torch.topk", "torch.topk(x.abs(), 1%)", lambda: torch.topk(x.abs(), k, sorted=False)),
         ("topk exact", f"{tk!r} compress + decompress_into", roundtrip(tk)),
+        ("topk exact compress", f"{tk!r} compress only", compress_only(TopK(0.01))),
         ("topk approx", f"{ta!r} compress + decompress_into", roundtrip(ta)),
         ("topk approx compress", f"{ta!r} compress only", compress_only(TopK(0.01, exact=False))),
     ]
@@ -126,7 +132,8 @@ def facts() -> list[str]:
     return [
         f"CPU: {cpu_model()}, nproc {os.cpu_count()}, torch {torch.__version__}, numpy {np.__version__}, "
         f"Python {platform.python_version()}",
-        f"torch threads {torch.get_num_threads()} (set_num_threads(1)); "
+        f"torch threads {torch.get_num_threads()} (--threads); compiled CPU kernels: "
+        f"{'yes' if cpu_kernels.lib() is not None else 'no (' + str(cpu_kernels.build_error()) + ')'}; "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')} (left as they were)",
     ]
@@ -143,6 +150,14 @@ def table(rows) -> tuple[str, dict]:
         lines.append(f"| {name} | {what} | {med:.1f} | {mn:.1f} | {med / copy:.2f} | "
                      f"{cpu:.1f} | {cpu / copy_cpu:.2f} |")
     ratios = {}
+    for name in ("qsgd8", "qsgd4", "sign", "fp16", "bf16", "randomk", "topk exact", "topk approx"):
+        if name in by:
+            ratios[f"{name} compress+decompress / copy (target <= 3)"] = by[name] / copy
+    if "torch.topk" in by and "topk exact compress" in by:
+        ratios["torch.topk / TopK(exact) compress (target >= 15)"] = (
+            by["torch.topk"] / by["topk exact compress"])
+        ratios["TopK(exact) / TopK(exact=False) compress (target <= 1.5)"] = (
+            by["topk exact compress"] / by["topk approx compress"])
     if "qsgd8" in by:
         ratios["QSGD 8-bit compress+decompress / copy (target <= 6)"] = by["qsgd8"] / copy
         ratios["QSGD 8-bit, thread CPU time / copy's"] = by_cpu["qsgd8"] / copy_cpu
@@ -169,34 +184,37 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="repetitions per case (median)")
     ap.add_argument("--only", default="", help="comma-separated case names (copy always runs)")
     ap.add_argument("--out", default="", help="also write a markdown report here")
+    ap.add_argument("--threads", default="1", help="comma-separated torch thread counts, "
+                    "each a full table (default 1)")
     ap.add_argument("--no-lock", action="store_true", help=f"do not wait for {BENCH_LOCK}")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
     n = int(args.n)
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
-    with contextlib.nullcontext() if args.no_lock else file_lock(BENCH_LOCK):
-        load0 = os.getloadavg()[0]
-        t0 = time.time()
-        rows = measure(n, args.reps, only)
-        load1 = os.getloadavg()[0]
-    tbl, ratios = table(rows)
     cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:]))
-    head = facts() + [
-        f"n = {n} fp32 values ({n * 4 / 1e6:.0f} MB), median of {args.reps} after a warm-up, "
-        f"cases interleaved; {time.time() - t0:.0f} s; 1-min load average {load0:.1f} at the "
-        f"start, {load1:.1f} at the end (other processes share the cores)",
-    ]
-    ratio_lines = [f"{k}: {v:.2f}" for k, v in ratios.items()]
-    print("\n".join("# " + h for h in head))
-    print(tbl)
-    print("\n".join(ratio_lines))
+    report = ["# Compressor speed on CPU\n", f"Command (repository root):\n\n```\n{cmd}\n```\n"]
+    with contextlib.nullcontext() if args.no_lock else file_lock(BENCH_LOCK):
+        for nt in [int(v) for v in args.threads.split(",")]:
+            torch.set_num_threads(nt)
+            load0 = os.getloadavg()[0]
+            t0 = time.time()
+            rows = measure(n, args.reps, only)
+            load1 = os.getloadavg()[0]
+            tbl, ratios = table(rows)
+            head = facts() + [
+                f"n = {n} fp32 values ({n * 4 / 1e6:.0f} MB), median of {args.reps} after a warm-up, "
+                f"cases interleaved; {time.time() - t0:.0f} s; 1-min load average {load0:.1f} at the "
+                f"start, {load1:.1f} at the end (other processes share the cores)",
+            ]
+            ratio_lines = [f"{k}: {v:.2f}" for k, v in ratios.items()]
+            print(f"## {nt} torch thread(s)")
+            print("\n".join("# " + h for h in head))
+            print(tbl)
+            print("\n".join(ratio_lines))
+            report += [f"## {nt} torch thread(s)\n", "\n".join(f"- {h}" for h in head) + "\n", tbl + "\n",
+                       "Ratios (medians):\n\n" + "\n".join(f"- {r}" for r in ratio_lines) + "\n"]
     if args.out:
         with open(args.out, "w") as f:
-            f.write("# Compressor speed on CPU (one thread)\n\n")
-            f.write(f"Command (repository root):\n\n```\n{cmd}\n```\n\n")
-            f.write("\n".join(f"- {h}" for h in head) + "\n\n")
-            f.write(tbl + "\n\n")
-            f.write("Ratios (medians):\n\n" + "\n".join(f"- {r}" for r in ratio_lines) + "\n")
+            f.write("\n".join(report))
     return 0
 
 

@@ -25,7 +25,8 @@ class Cast(Compressor):
         check_input(x)
         if x.dtype == self.wire_dtype:
             return [x]
-        return [fresh_empty(x.numel(), self.wire_dtype, x.device).view(x.shape).copy_(x)]
+        # reused payload memory once nobody holds it (no page faults of a fresh buffer)
+        return [self.payload_pool().empty(x.numel(), self.wire_dtype, x.device).view(x.shape).copy_(x)]
 
     def decompress(self, payload, ctx):
         p = payload[0]

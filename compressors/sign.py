@@ -24,6 +24,7 @@ import torch
 
 from .base import Compressor, ScaledCodesDecoder, check_align, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
+from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
 from .registry import register
 
@@ -32,6 +33,40 @@ __all__ = ["ScaledSign"]
 logger = logging.getLogger(__name__)
 
 _GRAIN = 32768  # at::internal::GRAIN_SIZE: one-output reductions above it split across threads
+
+
+def _canonical_nan_(s: torch.Tensor) -> None:
+    """NaN scales as the one quiet NaN 0x7FC00000 (a NaN's bits after torch's sum depend on
+    the kernel that met it; the compiled kernel writes this one)."""
+    sn = numpy_view(s)
+    if sn is not None:
+        sn[np.isnan(sn)] = np.nan
+
+
+_LANES_OK: dict = {}
+
+
+def _kernel_lanes(ck, chunk: int):
+    """torch's fp32 vector width when the compiled scales match torch's ``mean`` bits for
+    rows of ``chunk`` (checked once per chunk size on a few rows and a short tail: the sum's
+    order is torch's, which the format does not pin down), else None (torch computes them)."""
+    ok = _LANES_OK.get(chunk)
+    if ok is None:
+        lanes = cpu_kernels.torch_lanes()
+        ok = 0
+        if lanes is not None:
+            g = torch.Generator().manual_seed(chunk)
+            n = 3 * chunk + max(1, chunk // 2 + 1)
+            x = torch.randn(n, generator=g) * torch.exp(4 * torch.randn(n, generator=g))
+            want = ScaledSign(chunk, align="flat")._scales(x)
+            got = torch.empty_like(want)
+            bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
+            ck.cp_sign_encode(x.data_ptr(), 0, n, chunk, lanes, got.data_ptr(), bits.data_ptr(), 1)
+            ok = lanes if torch.equal(got.view(torch.int32), want.view(torch.int32)) else 0
+            if not ok:
+                logger.debug("sign scales: compiled sum differs from torch's for chunk %d", chunk)
+        _LANES_OK[chunk] = ok
+    return ok or None
 
 
 @register("sign", "scaledsign", "signsgd")
@@ -131,6 +166,19 @@ class ScaledSign(ScaledCodesDecoder):
         if n == 0:
             return [s, packed]
         B = self.block_for(dev)
+        ck = cpu_kernels.lib(x)
+        dt = cpu_kernels.dtype_code(x.dtype)
+        if ck is not None and dt is not None and x.is_contiguous():
+            # one pass: per-chunk scales in torch's summation order (when the self-check
+            # says the kernel reproduces it for this chunk; else torch's), and the bits
+            lanes = _kernel_lanes(ck, c) if c < _GRAIN else None
+            if lanes is None:
+                self._scales_blocked(x, s, B)
+                _canonical_nan_(s)
+            ck.cp_sign_encode(x.data_ptr(), dt, n, c, lanes or 8,
+                              None if lanes is None else s.data_ptr(), packed.data_ptr(),
+                              cpu_kernels.threads())
+            return [s, packed]
         cap = min(B, n)
         ws = self.workspace()
         # CPU: each block holds whole chunks and a single row stays below the parallel grain,
@@ -159,6 +207,7 @@ class ScaledSign(ScaledCodesDecoder):
             else:
                 torch.ge(x[b0:b1], 0, out=bb)
             pack(bb, 1, out=packed[b0 // 8:b0 // 8 + packed_nbytes(L, 1)], ws=ws)
+        _canonical_nan_(s)
         return [s, packed]
 
     def _decode(self, payload, ctx, out, accumulate):
@@ -166,6 +215,14 @@ class ScaledSign(ScaledCodesDecoder):
         if ctx.numel == 0:
             return out
         c = self.chunk
+        ck = cpu_kernels.lib(out, s, packed)
+        if (ck is not None and ctx.dtype == torch.float32 and out.dtype == torch.float32
+                and s.dtype == torch.float32 and s.is_contiguous() and packed.is_contiguous()
+                and out.is_contiguous() and s.numel() >= self.nchunks(ctx.numel)
+                and packed.numel() >= packed_nbytes(ctx.numel, 1)):
+            ck.cp_sign_decode(s.data_ptr(), packed.data_ptr(), ctx.numel, c, out.data_ptr(),
+                              int(accumulate), cpu_kernels.threads())
+            return out
         ws = self.workspace()
 
         def block(b0, b1, f):  # the reference's ops: ((2 * b) - 1) * s

@@ -10,6 +10,7 @@ import torch
 
 from .base import Compressor, check_density, check_input, fresh_empty, numpy_view
 from .hashrng import stream_key, lowbias32_int
+from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
 from .registry import register
 
@@ -18,13 +19,23 @@ __all__ = ["TopK"]
 logger = logging.getLogger(__name__)
 
 
+_last_exact_path = 0  # which path the last compiled exact top-k took (tests): 1 sampled, 3 radix
+
+
 @register("topk")
 class TopK(Compressor):
     """Top-k sparsification by magnitude.
 
     Args:
         density: fraction of elements kept, in (0, 1]; ``k = ceil(density * numel)``.
-        exact: ``True`` uses ``torch.topk``; ``False`` estimates the k-th magnitude from a
+        exact: ``True``: exactly the k largest magnitudes; with ties at the k-th magnitude,
+            the lowest indices among the tied (magnitudes compare as ``|x|``'s bits, so NaN
+            ranks above inf, as in ``torch.topk``); indices ascending. Without ties the kept
+            set is ``torch.topk(x.abs(), k)``'s. CPU: the compiled kernel (csrc/cpu) estimates a
+            threshold from a sample, gathers the candidates above it in one pass (a lower
+            threshold when fewer than k), and selects among them; elsewhere, or without the
+            kernel, ``torch.topk`` of ``(|x| bits << 32) | ~index``, which has no ties (the
+            same payload bits). ``False`` estimates the k-th magnitude from a
             strided sample (DGC style), keeps the candidates above it, and trims them to at
             most k with a small top-k. The payload always has exactly k slots (unused slots
             are index 0, value 0 and decode to nothing), so sizes match on every rank.
@@ -78,7 +89,10 @@ class TopK(Compressor):
         k = self.k_for(n)
         if k == 0:
             return [x.new_empty(0), torch.empty(0, dtype=torch.int32, device=x.device)]
-        if self.exact or k * 8 >= n:
+        if self.exact:
+            idx, vals = self._exact(x, k)
+            return [vals, idx]
+        if k * 8 >= n:
             a = self.workspace().get("abs", n, x.dtype, x.device)
             idx = torch.topk(torch.abs(x, out=a), k, sorted=False).indices
             vals = x[idx]
@@ -89,6 +103,38 @@ class TopK(Compressor):
             idx = torch.cat([idx, idx.new_zeros(pad)])
             vals = torch.cat([vals, vals.new_zeros(pad)])
         return [vals, idx.to(torch.int32)]
+
+    def _exact(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 indices ascending, values) of the exact top-k (ties: lowest indices)."""
+        n = x.numel()
+        dt = cpu_kernels.dtype_code(x.dtype)
+        ck = cpu_kernels.lib(x)
+        if ck is not None and dt is not None and x.is_contiguous() and n < (1 << 31):
+            nth = cpu_kernels.threads()
+            # per-thread candidate room; a thread never holds more than its range
+            cap = min(2 * k + 65536, n // max(1, min(nth, -(-n // 65536))) + 65536, n)
+            ws = self.workspace()
+            cidx = ws.get("cand.idx", nth * cap, torch.int32, x.device)
+            craw = ws.get("cand.raw", nth * cap, torch.int32, x.device)
+            comp = ws.get("cand.comp", nth * cap, torch.int64, x.device)
+            idx = torch.empty(k, dtype=torch.int32)
+            vals = torch.empty(k, dtype=x.dtype)
+            global _last_exact_path
+            _last_exact_path = ck.cp_topk_exact(x.data_ptr(), dt, n, k, idx.data_ptr(),
+                                                vals.data_ptr(), cidx.data_ptr(), craw.data_ptr(),
+                                                comp.data_ptr(), cap, nth)
+            return idx, vals
+        # any device, no host sync: the composite key has no ties, so torch.topk's set is
+        # exactly "largest |x| bits, then lowest index"
+        if x.element_size() == 4:
+            key = x.view(torch.int32).bitwise_and(0x7FFFFFFF).to(torch.int64)
+        else:
+            key = x.view(torch.int16).to(torch.int64).bitwise_and(0x7FFF)
+        ar = torch.arange(n, dtype=torch.int64, device=x.device)
+        comp = key.bitwise_left_shift_(32).bitwise_or_(ar.neg_().add_(0xFFFFFFFF))
+        sel = torch.topk(comp, k, sorted=False).indices
+        idx = torch.sort(sel).values
+        return idx.to(torch.int32), x[idx]
 
     def _approx_indices(self, x: torch.Tensor, k: int, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) of at most k elements: the candidates above a sampled threshold,

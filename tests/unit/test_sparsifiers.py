@@ -6,7 +6,7 @@ import torch
 from compressors import Context, RandomK, TopK
 from compressors.hashrng import SHARED, stream_key
 from compressors.randomk import shared_indices
-from unit_reference import topk_compress
+from unit_reference import topk_compress, topk_exact_compress
 
 
 def _distinct_magnitudes(n, seed=0):
@@ -64,7 +64,10 @@ def test_topk_matches_reference(dtype, exact, n, density, block):
     for step in (0, 1):
         ctx = Context.of(x, step=step, bucket=3, rank=2, seed=4)
         got = c.compress(x, ctx)
-        want = topk_compress(x, density, exact, 0.02, step, 3, 2, 4)
+        if exact:  # the exact contract: ascending indices, ties toward the lowest index
+            want = topk_exact_compress(x, density)
+        else:
+            want = topk_compress(x, density, exact, 0.02, step, 3, 2, 4)
         assert got[0].dtype == dtype and got[1].dtype == torch.int32
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

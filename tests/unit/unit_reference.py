@@ -194,3 +194,20 @@ def topk_compress(x: torch.Tensor, density: float, exact: bool, sample: float,
         idx = torch.cat([idx, idx.new_zeros(pad)])
         vals = torch.cat([vals, vals.new_zeros(pad)])
     return [vals, idx.to(torch.int32)]
+
+
+def topk_exact_compress(x: torch.Tensor, density: float):
+    """Exact top-k contract (issue 11): the k largest |x| compared as |x|'s bits (NaN above
+    inf), ties at the k-th magnitude broken toward the lowest indices; indices ascending."""
+    x = x.reshape(-1)
+    n = x.numel()
+    k = max(1, min(n, math.ceil(density * n))) if n else 0
+    if k == 0:
+        return [x.new_empty(0), torch.empty(0, dtype=torch.int32)]
+    if x.element_size() == 4:
+        key = x.view(torch.int32).numpy().astype(np.int64) & 0x7FFFFFFF
+    else:
+        key = x.view(torch.int16).numpy().astype(np.int64) & 0x7FFF
+    order = np.lexsort((np.arange(n), -key))[:k]  # by -key, then index
+    idx = torch.from_numpy(np.sort(order))
+    return [x[idx], idx.to(torch.int32)]

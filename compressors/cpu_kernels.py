@@ -1,0 +1,166 @@
+"""The CPU codec kernels of ``csrc/cpu/codec.cpp``: built with g++ on first use, loaded with ctypes.
+
+One plain C++ file (no torch headers), compiled into a shared library in a per-user cache
+folder keyed by the hash of the source, the flags, the compiler and the CPU's feature flags
+(``-march=native``): ``$COMMPRESS_CACHE_DIR``, else ``$XDG_CACHE_HOME/commpress``, else
+``~/.cache/commpress``. A wheel carries the source as ``compressors/_csrc/cpu/codec.cpp``.
+
+Every kernel has a torch/numpy twin in the compressor that calls it (the fallback, and the
+test oracle): both give the same bits, for every thread count. :func:`lib` returns None —
+and the compressors silently take the torch/numpy path — when there is no compiler, the build
+fails (logged once at debug), the tensor is not a CPU tensor, or ``COMMPRESS_CPU_KERNELS=0``
+(read at every call, so tests can flip it). Kernels use ``torch.get_num_threads()`` threads
+(each on disjoint, chunk-aligned element ranges; results never depend on the count). ctypes
+releases the GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["ENV_SWITCH", "FLAGS", "lib", "enabled", "threads", "source_path", "ptr", "dtype_code",
+           "torch_lanes", "build_error"]
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "COMMPRESS_CPU_KERNELS"
+#: -ffp-contract=off: no multiply-add is fused (bits must equal the torch path's)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17",
+         "-shared", "-fPIC", "-pthread", "-fvisibility=hidden")
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": CDLL or None once tried; "error": why not
+
+
+def source_path() -> Path:
+    from .cuda.loader import source_root  # the csrc folder (installed: compressors/_csrc)
+    return Path(source_root()) / "cpu" / "codec.cpp"
+
+
+def _cache_dir() -> Path:
+    d = os.environ.get("COMMPRESS_CACHE_DIR")
+    if d:
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "commpress"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() + platform.machine()
+
+
+def _build() -> ctypes.CDLL:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    src = source_path().read_bytes()
+    ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    h = hashlib.sha256(src + repr(FLAGS).encode() + ver.encode() + _cpu_flags().encode())
+    out_dir = _cache_dir()
+    so = out_dir / f"codec-{h.hexdigest()[:20]}.so"
+    if not so.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            r = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source_path())],
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"g++ failed: {r.stderr[-2000:]}")
+            os.replace(tmp, so)  # atomic: concurrent builders (ranks) all end with a whole file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    cdll = ctypes.CDLL(str(so))
+    _declare(cdll)
+    if cdll.cp_abi_version() != 1:
+        raise RuntimeError("stale codec library")
+    return cdll
+
+
+def _declare(c) -> None:
+    P, I64, I, U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
+    c.cp_abi_version.restype = I
+    c.cp_qsgd_encode.argtypes = [P, I, I64, I64, I, U32, P, P, I]
+    c.cp_qsgd_encode.restype = None
+    c.cp_qsgd_decode.argtypes = [P, P, I64, I64, I, P, I, I]
+    c.cp_qsgd_decode.restype = None
+    c.cp_sign_encode.argtypes = [P, I, I64, I64, I, P, P, I]
+    c.cp_sign_encode.restype = None
+    c.cp_sign_decode.argtypes = [P, P, I64, I64, P, I, I]
+    c.cp_sign_decode.restype = None
+    c.cp_topk_exact.argtypes = [P, I, I64, I64, P, P, P, P, P, I64, I]
+    c.cp_topk_exact.restype = I
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def lib(*tensors: torch.Tensor):
+    """The loaded library, or None: switched off, not buildable, or a tensor not on the CPU
+    (CUDA tensors keep their own dispatch)."""
+    if not enabled() or any(t.device.type != "cpu" for t in tensors):
+        return None
+    c = _state.get("lib", False)
+    if c is False:
+        with _lock:
+            c = _state.get("lib", False)
+            if c is False:
+                try:
+                    c = _build()
+                except Exception as e:  # no compiler, failed build, odd platform: torch path
+                    logger.debug("CPU codec kernels unavailable, using the torch path: %s", e)
+                    _state["error"] = repr(e)
+                    c = None
+                _state["lib"] = c
+    return c
+
+
+def build_error() -> str | None:
+    """Why :func:`lib` returned None after a build attempt (None when it loaded)."""
+    return _state.get("error")
+
+
+def threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def dtype_code(dtype: torch.dtype) -> int | None:
+    return _DT.get(dtype)
+
+
+def torch_lanes() -> int | None:
+    """fp32 lanes of torch's CPU vector code (``Vectorized<float>::size()``) for the capability
+    torch dispatched at run time: what its reductions' summation order depends on."""
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    if cap.startswith("AVX512"):
+        return 16
+    if cap in ("AVX2", "DEFAULT", "NO AVX", "ZVECTOR", "VSX"):
+        return 8
+    return None

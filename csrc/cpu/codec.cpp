@@ -1,0 +1,559 @@
+// CPU codec kernels of commpress (plain C++, no torch headers), loaded with ctypes by
+// compressors/cpu_kernels.py. Every kernel has a torch/numpy twin in compressors/ (the
+// fallback and the test oracle) and must give the SAME BITS: build with -ffp-contract=off
+// and without -ffast-math, so each fp32 operation below is one IEEE-754 rounding, in the
+// order written. Results never depend on the thread count (per-element or per-chunk work).
+//
+// dtype codes: 0 = float32, 1 = float16, 2 = bfloat16 (inputs are widened exactly).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+typedef int64_t i64;
+typedef uint64_t u64;
+typedef uint32_t u32;
+typedef uint16_t u16;
+typedef uint8_t u8;
+
+#define API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+inline u32 lowbias32(u32 x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+inline float bits_f32(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
+
+inline float f16_to_f32(u16 h) {
+  u32 sign = (u32)(h >> 15) << 31, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  if (e == 0) {
+    float v = (float)m * 5.9604644775390625e-08f;  // m * 2**-24: exact
+    return sign ? -v : v;
+  }
+  if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13));
+  return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+template <int DT> inline float load(const void* p, i64 i) {
+  if (DT == 0) return static_cast<const float*>(p)[i];
+  if (DT == 1) return f16_to_f32(static_cast<const u16*>(p)[i]);
+  return bits_f32((u32) static_cast<const u16*>(p)[i] << 16);
+}
+
+// |x|'s bits as an unsigned key: larger key == larger magnitude (NaN above inf)
+template <int DT> inline u32 mag_key(const void* p, i64 i) {
+  if (DT == 0) return static_cast<const u32*>(p)[i] & 0x7fffffffu;
+  return (u32)(static_cast<const u16*>(p)[i] & 0x7fff);
+}
+
+template <class F> void parallel_for(int nth, i64 units, F f) {
+  if (nth > units) nth = (int)units;
+  if (nth <= 1) { if (units > 0) f(0, units, 0); return; }
+  std::vector<std::thread> ts;
+  for (int t = 1; t < nth; ++t) ts.emplace_back(f, units * t / nth, units * (t + 1) / nth, t);
+  f(0, units / nth, 0);
+  for (auto& th : ts) th.join();
+}
+
+i64 gcd64(i64 a, i64 b) { while (b) { i64 t = a % b; a = b; b = t; } return a; }
+i64 unit_of(i64 chunk) { return chunk / gcd64(chunk, 8) * 8; }  // lcm(chunk, 8)
+
+// pack L codes (< 2**bits) into bytes, LSB first; the tail of the last byte is zero
+void pack_codes(const u8* q, i64 L, int bits, u8* out) {
+  if (bits == 8) { std::memcpy(out, q, L); return; }
+  const int per = 8 / bits;
+  i64 full = L / per;
+  if (bits == 4) for (i64 j = 0; j < full; ++j) out[j] = (u8)(q[2 * j] | (q[2 * j + 1] << 4));
+  else if (bits == 2)
+    for (i64 j = 0; j < full; ++j)
+      out[j] = (u8)(q[4 * j] | (q[4 * j + 1] << 2) | (q[4 * j + 2] << 4) | (q[4 * j + 3] << 6));
+  else
+    for (i64 j = 0; j < full; ++j) {  // eight 0/1 bytes -> one byte (partial products disjoint)
+      u64 v;
+      std::memcpy(&v, q + 8 * j, 8);
+      out[j] = (u8)((v * 0x0102040810204080ull) >> 56);
+    }
+  i64 rem = L - full * per;
+  if (rem) {
+    u32 b = 0;
+    for (i64 m = 0; m < rem; ++m) b |= (u32)q[full * per + m] << (m * bits);
+    out[full] = (u8)b;
+  }
+}
+
+inline u32 code_at(const u8* packed, i64 i, int bits) {
+  if (bits == 8) return packed[i];
+  i64 pos = i * bits;
+  return (packed[pos >> 3] >> (pos & 7)) & ((1u << bits) - 1);
+}
+
+// inverse of pack_codes: L codes from bytes (the first code at bit 0 of in[0])
+void unpack_codes(const u8* in, i64 L, int bits, u8* q) {
+  if (bits == 8) { std::memcpy(q, in, L); return; }
+  const u32 mask = (1u << bits) - 1;
+  const int per = 8 / bits;
+  const i64 full = L / per;
+  if (bits == 4)
+    for (i64 j = 0; j < full; ++j) { q[2 * j] = in[j] & 15; q[2 * j + 1] = in[j] >> 4; }
+  else if (bits == 2)
+    for (i64 j = 0; j < full; ++j)
+      for (int m = 0; m < 4; ++m) q[4 * j + m] = (in[j] >> (2 * m)) & 3;
+  else
+    for (i64 j = 0; j < full; ++j) {
+      u64 v = (u64)in[j] * 0x0101010101010101ull;  // the byte in every byte (no carries)
+      v &= 0x8040201008040201ull;                   // byte m keeps bit m
+      for (int m = 0; m < 8; ++m) q[8 * j + m] = (u8)(((v >> (8 * m)) & 0xff) != 0);
+    }
+  for (i64 i = full * per; i < L; ++i) q[i] = (in[full] >> ((i - full * per) * bits)) & mask;
+}
+
+// ---- QSGD -----------------------------------------------------------------------------
+template <int DT>
+void qsgd_encode_range(const void* x, i64 n, i64 chunk, int bits, u32 key, i64 e0, i64 e1,
+                       float* scales, u8* packed, u8* codes, i64 win) {
+  const float M = (float)((1u << bits) - 1);
+  const float half = M * 0.5f;
+  const float SC = 5.9604644775390625e-08f;  // 2**-24
+  for (i64 w0 = e0; w0 < e1; w0 += win) {
+    const i64 w1 = std::min(e1, w0 + win);
+    u8* q = bits == 8 ? packed + w0 : codes;
+    for (i64 c0 = w0; c0 < w1; c0 += chunk) {
+      const i64 c1 = std::min(w1, c0 + chunk);
+      // max |x| on the magnitude bits (an integer max vectorizes; floats' does not without
+      // -ffast-math): for non-negative floats the order of the bits is the order of values
+      u32 mk = 0;
+      for (i64 i = c0; i < c1; ++i) {
+        float v = load<DT>(x, i);
+        u32 b;
+        std::memcpy(&b, &v, 4);
+        b &= 0x7fffffffu;
+        mk = b > mk ? b : mk;
+      }
+      const float s = mk > 0x7f800000u ? bits_f32(0x7fc00000u) : bits_f32(mk);
+      scales[c0 / chunk] = s;
+      const float r = s > 0.0f ? half / s : 0.0f;
+      u8* qc = q + (c0 - w0);
+      for (i64 i = c0; i < c1; ++i) {
+        float t = load<DT>(x, i) * r;
+        t = t + half;
+        u32 h = lowbias32((u32)i ^ key) >> 8;
+        float v = (float)(int32_t)h;
+        v = v + 0.5f;
+        t = t + v * SC;
+        t = t > 0.0f ? t : 0.0f;  // also NaN -> 0
+        t = t < M ? t : M;
+        qc[i - c0] = (u8)(int32_t)t;
+      }
+    }
+    if (bits != 8) pack_codes(codes, w1 - w0, bits, packed + w0 * bits / 8);
+  }
+}
+
+template <int DT>
+void qsgd_encode(const void* x, i64 n, i64 chunk, int bits, u32 key, float* scales, u8* packed,
+                 int nth) {
+  const i64 U = unit_of(chunk);
+  const i64 units = (n + U - 1) / U;
+  i64 win = U * std::max<i64>(1, 16384 / U);
+  parallel_for(nth, units, [&](i64 u0, i64 u1, int) {
+    std::vector<u8> codes(bits == 8 ? 0 : win);
+    qsgd_encode_range<DT>(x, n, chunk, bits, key, u0 * U, std::min(n, u1 * U), scales, packed,
+                          codes.data(), win);
+  });
+}
+
+void qsgd_decode(const float* s, const u8* packed, i64 n, i64 chunk, int bits, float* out,
+                 int acc, int nth) {
+  const i64 U = unit_of(chunk);
+  const i64 units = (n + U - 1) / U;
+  const float M = (float)((1u << bits) - 1);
+  const i64 win = U * std::max<i64>(1, 16384 / U);
+  parallel_for(nth, units, [&](i64 u0, i64 u1, int) {
+    const i64 e1 = std::min(n, u1 * U);
+    std::vector<u8> buf(bits == 8 ? 0 : win);
+    for (i64 w0 = u0 * U; w0 < e1; w0 += win) {
+      const i64 w1 = std::min(e1, w0 + win);
+      const u8* q = packed;
+      if (bits != 8) {
+        unpack_codes(packed + w0 * bits / 8, w1 - w0, bits, buf.data());
+        q = buf.data() - w0;
+      }
+      for (i64 c0 = w0; c0 < w1; c0 += chunk) {
+        const i64 c1 = std::min(w1, c0 + chunk);
+        const float sc = s[c0 / chunk];
+        const float w = (2.0f * sc) / M;
+        if (acc)
+          for (i64 i = c0; i < c1; ++i) { float f = (float)q[i] * w; f = f - sc; out[i] = out[i] + f; }
+        else
+          for (i64 i = c0; i < c1; ++i) { float f = (float)q[i] * w; out[i] = f - sc; }
+      }
+    }
+  });
+}
+
+// ---- ScaledSign -----------------------------------------------------------------------
+inline i64 ceil_log2(i64 x) { return x <= 2 ? 1 : 64 - __builtin_clzll((u64)(x - 1)); }
+
+// torch's CPU sum of a contiguous fp32 row (aten/native/cpu/SumKernel.cpp: cascade_sum ->
+// vectorized_inner_sum / scalar_inner_sum -> row_sum -> multi_row_sum with 4 accumulators
+// and 4 cascade levels), for |x| of the row, with W-lane vectors (W = Vectorized<float>::size()).
+template <int L, class A> void multi_row_sum(const A& a, i64 size, float out[4][L]) {
+  const int levels = 4;
+  const i64 lp = std::max<i64>(4, ceil_log2(size) / levels);
+  const i64 step = (i64)1 << lp, mask = step - 1;
+  float acc[4][4][L];
+  std::memset(acc, 0, sizeof(acc));
+  i64 i = 0;
+  for (; i + step <= size;) {
+    for (i64 j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < L; ++l) acc[0][k][l] += a((i * 4 + k) * L + l);
+    for (int j = 1; j < levels; ++j) {
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < L; ++l) { acc[j][k][l] += acc[j - 1][k][l]; acc[j - 1][k][l] = 0.0f; }
+      if ((i & (mask << (j * lp))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] += a((i * 4 + k) * L + l);
+  for (int j = 1; j < levels; ++j)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
+  std::memcpy(out, acc[0], sizeof(float) * 4 * L);
+}
+
+template <int W> float torch_sum(const float* a, i64 n);
+
+template <int W, int DT> float torch_abs_sum(const void* x, i64 off, i64 n) {
+  float buf[1024];
+  if (n <= 1024) {
+    for (i64 j = 0; j < n; ++j) buf[j] = std::fabs(load<DT>(x, off + j));
+    return torch_sum<W>(buf, n);
+  }
+  auto a = [&](i64 j) { return std::fabs(load<DT>(x, off + j)); };
+  float sum;
+  if (n >= W) {
+    const i64 V = n / W, S = V / 4;
+    float part[4][W];
+    multi_row_sum<W>(a, S, part);
+    for (i64 v = S * 4; v < V; ++v)
+      for (int l = 0; l < W; ++l) part[0][l] += a(v * W + l);
+    for (int k = 1; k < 4; ++k)
+      for (int l = 0; l < W; ++l) part[0][l] += part[k][l];
+    float fin = 0.0f;
+    for (i64 j = V * W; j < n; ++j) fin += a(j);
+    for (int l = 0; l < W; ++l) fin += part[0][l];
+    sum = fin;
+  } else {
+    float part[4][1];
+    const i64 S = n / 4;
+    multi_row_sum<1>(a, S, part);
+    for (i64 j = S * 4; j < n; ++j) part[0][0] += a(j);
+    for (int k = 1; k < 4; ++k) part[0][0] += part[k][0];
+    sum = part[0][0];
+  }
+  return 0.0f + sum;  // the output is zero-filled, then accumulated into
+}
+
+// torch's row sum (as torch_abs_sum) of a local fp32 array
+template <int W> float torch_sum(const float* a, i64 n) {
+  const i64 V = n / W, S = V / 4;
+  if (n >= W && S < 16) {  // no cascade level is reached: four vector accumulators
+    float part[4][W];
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < W; ++l) part[k][l] = 0.0f;
+    for (i64 i = 0; i < S; ++i)
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < W; ++l) part[k][l] += a[(i * 4 + k) * W + l];
+    for (i64 v = S * 4; v < V; ++v)
+      for (int l = 0; l < W; ++l) part[0][l] += a[v * W + l];
+    for (int k = 1; k < 4; ++k)
+      for (int l = 0; l < W; ++l) part[0][l] += part[k][l];
+    float fin = 0.0f;
+    for (i64 j = V * W; j < n; ++j) fin += a[j];
+    for (int l = 0; l < W; ++l) fin += part[0][l];
+    return 0.0f + fin;
+  }
+  auto f = [&](i64 j) { return a[j]; };
+  if (n >= W) {
+    float part[4][W];
+    multi_row_sum<W>(f, S, part);
+    for (i64 v = S * 4; v < V; ++v)
+      for (int l = 0; l < W; ++l) part[0][l] += a[v * W + l];
+    for (int k = 1; k < 4; ++k)
+      for (int l = 0; l < W; ++l) part[0][l] += part[k][l];
+    float fin = 0.0f;
+    for (i64 j = V * W; j < n; ++j) fin += a[j];
+    for (int l = 0; l < W; ++l) fin += part[0][l];
+    return 0.0f + fin;
+  }
+  float part[4][1];
+  const i64 S1 = n / 4;
+  multi_row_sum<1>(f, S1, part);
+  for (i64 j = S1 * 4; j < n; ++j) part[0][0] += a[j];
+  for (int k = 1; k < 4; ++k) part[0][0] += part[k][0];
+  return 0.0f + part[0][0];
+}
+
+template <int W, int DT>
+void sign_encode(const void* x, i64 n, i64 chunk, float* scales, u8* packed, int nth) {
+  const i64 U = unit_of(chunk);
+  const i64 units = (n + U - 1) / U;
+  parallel_for(nth, units, [&](i64 u0, i64 u1, int) {
+    const i64 e0 = u0 * U, e1 = std::min(n, u1 * U);
+    const i64 win = U * std::max<i64>(1, 4096 / U);
+    std::vector<u8> flags(win + 8);
+    for (i64 w0 = e0; w0 < e1; w0 += win) {  // a window: scales, then bits, x read once
+      const i64 w1 = std::min(e1, w0 + win);
+      if (scales)
+        for (i64 c0 = w0; c0 < w1; c0 += chunk) {
+          const i64 L = std::min(chunk, n - c0);
+          const float sc = torch_abs_sum<W, DT>(x, c0, L) / (float)L;
+          scales[c0 / chunk] = sc != sc ? bits_f32(0x7fc00000u) : sc;  // one canonical NaN
+        }
+      for (i64 i = w0; i < w1; ++i) flags[i - w0] = load<DT>(x, i) >= 0.0f;
+      pack_codes(flags.data(), w1 - w0, 1, packed + w0 / 8);
+    }
+  });
+}
+
+template <int ACC>
+void sign_decode_t(const float* s, const u8* packed, i64 n, i64 chunk, float* out, int nth) {
+  const i64 U = unit_of(chunk);
+  const i64 units = (n + U - 1) / U;
+  parallel_for(nth, units, [&](i64 u0, i64 u1, int) {
+    const i64 e0 = u0 * U, e1 = std::min(n, u1 * U);
+    for (i64 c0 = e0; c0 < e1; c0 += chunk) {
+      const i64 c1 = std::min(e1, c0 + chunk);
+      const float sc = s[c0 / chunk];
+      i64 i = c0;
+      for (; i < c1 && (i & 7); ++i) {
+        float f = (float)((packed[i >> 3] >> (i & 7)) & 1u);
+        f = ((f * 2.0f) - 1.0f) * sc;
+        out[i] = ACC ? out[i] + f : f;
+      }
+      for (; i + 8 <= c1; i += 8) {  // the reference's ops: ((2 * b) - 1) * s
+        const u32 b = packed[i >> 3];
+        for (int m = 0; m < 8; ++m) {
+          float f = (float)((b >> m) & 1u);
+          f = f * 2.0f;
+          f = f - 1.0f;
+          f = f * sc;
+          out[i + m] = ACC ? out[i + m] + f : f;
+        }
+      }
+      for (; i < c1; ++i) {
+        float f = (float)((packed[i >> 3] >> (i & 7)) & 1u);
+        f = ((f * 2.0f) - 1.0f) * sc;
+        out[i] = ACC ? out[i] + f : f;
+      }
+    }
+  });
+}
+
+void sign_decode(const float* s, const u8* packed, i64 n, i64 chunk, float* out, int acc, int nth) {
+  if (acc) sign_decode_t<1>(s, packed, n, chunk, out, nth);
+  else sign_decode_t<0>(s, packed, n, chunk, out, nth);
+}
+
+// ---- exact top-k ----------------------------------------------------------------------
+// The k largest |x| (keys: |x|'s bits; NaN above inf), ties at the k-th key broken toward
+// the lowest indices; indices written ascending. Sampled threshold thr <= the k-th key ->
+// candidates {key >= thr} (one pass) -> the k largest (key, -index) among them.
+template <int DT>
+i64 gather_ge(const void* x, i64 b0, i64 b1, u32 thr, int strict, u32* idx, u32* raw, i64 cap) {
+  i64 c = 0;
+  const u32 t = strict ? thr + 1 : thr;  // key > thr  <=>  key >= thr + 1 (thr < 2**31)
+  i64 i = b0;
+  for (; i + 16 <= b1; i += 16) {
+    u32 any = 0;
+    for (int j = 0; j < 16; ++j) any |= (u32)(mag_key<DT>(x, i + j) >= t);
+    if (!any) continue;
+    for (int j = 0; j < 16; ++j)
+      if (mag_key<DT>(x, i + j) >= t) {
+        if (c < cap) {
+          idx[c] = (u32)(i + j);
+          raw[c] = DT == 0 ? static_cast<const u32*>(x)[i + j] : static_cast<const u16*>(x)[i + j];
+        }
+        ++c;
+      }
+  }
+  for (; i < b1; ++i)
+    if (mag_key<DT>(x, i) >= t) {
+      if (c < cap) {
+        idx[c] = (u32)i;
+        raw[c] = DT == 0 ? static_cast<const u32*>(x)[i] : static_cast<const u16*>(x)[i];
+      }
+      ++c;
+    }
+  return c;
+}
+
+// parallel gather into per-thread slices of idx/raw (cap each); returns the total, or -1 when
+// a slice overflowed; on success the candidates are compacted ascending at idx[0..total)
+template <int DT>
+i64 gather_all(const void* x, i64 n, u32 thr, int strict, u32* idx, u32* raw, i64 cap, int nth) {
+  const i64 units = (n + 65535) / 65536;
+  if (nth > units) nth = (int)std::max<i64>(1, units);
+  std::vector<i64> cnt(nth, 0);
+  parallel_for(nth, nth, [&](i64 t0, i64 t1, int) {
+    for (i64 t = t0; t < t1; ++t) {
+      i64 b0 = std::min(n, units * t / nth * 65536), b1 = std::min(n, units * (t + 1) / nth * 65536);
+      cnt[t] = gather_ge<DT>(x, b0, b1, thr, strict, idx + t * cap, raw + t * cap, cap);
+    }
+  });
+  i64 total = 0;
+  for (int t = 0; t < nth; ++t) {
+    if (cnt[t] > cap) return -1;
+    if (t && cnt[t]) {
+      std::memmove(idx + total, idx + t * cap, cnt[t] * 4);
+      std::memmove(raw + total, raw + t * cap, cnt[t] * 4);
+    }
+    total += cnt[t];
+  }
+  return total;
+}
+
+template <int DT> i64 count_ge(const void* x, i64 n, u32 t, int nth) {
+  const i64 units = (n + 65535) / 65536;
+  std::vector<i64> cnt(std::max(1, nth), 0);
+  parallel_for(nth, units, [&](i64 u0, i64 u1, int tid) {
+    i64 c = 0;
+    const i64 b1 = std::min(n, u1 * 65536);
+    for (i64 i = u0 * 65536; i < b1; ++i) c += mag_key<DT>(x, i) >= t;
+    cnt[tid] = c;
+  });
+  i64 c = 0;
+  for (i64 v : cnt) c += v;
+  return c;
+}
+
+inline u64 composite(u32 key, u32 idx) { return ((u64)key << 32) | (u64)(0xffffffffu - idx); }
+
+template <int DT> inline u32 raw_at(const void* x, i64 i) {
+  return DT == 0 ? static_cast<const u32*>(x)[i] : static_cast<const u16*>(x)[i];
+}
+inline u32 key_of_raw(u32 raw, int DT) { return DT == 0 ? raw & 0x7fffffffu : raw & 0x7fffu; }
+
+// Work buffers (caller's, reused): idx, raw: nth * cap u32 each; comp: cap u64.
+// Returns the path taken (1 sampled, 2 sampled after lowering, 3 radix fallback).
+template <int DT>
+int topk_exact(const void* x, i64 n, i64 k, u32* out_idx, void* out_vals, u32* idx, u32* raw,
+               u64* comp, i64 cap, int nth) {
+  auto emit = [&](i64 j, i64 o, const u32* I, const u32* R) {
+    out_idx[o] = I[j];
+    if (DT == 0) static_cast<u32*>(out_vals)[o] = R[j];
+    else static_cast<u16*>(out_vals)[o] = (u16)R[j];
+  };
+  if (k >= n) {  // everything, in index order
+    for (i64 i = 0; i < n; ++i) {
+      out_idx[i] = (u32)i;
+      if (DT == 0) static_cast<u32*>(out_vals)[i] = raw_at<DT>(x, i);
+      else static_cast<u16*>(out_vals)[i] = (u16)raw_at<DT>(x, i);
+    }
+    return 0;
+  }
+  i64 total = -1;
+  {
+    // the sample: 16 consecutive elements (a cache line of fp32) every `stride` elements
+    const i64 want = std::min<i64>(n, std::max<i64>(32768, (i64)((double)n / (double)k * 1024.0)));
+    const i64 groups = std::max<i64>(1, want / 16);
+    const i64 stride = std::max<i64>(16, n / groups);
+    std::vector<u32> smp;
+    smp.reserve(groups * 16 + 16);
+    for (i64 g = 0; g * stride < n; ++g)
+      for (i64 j = g * stride; j < std::min(n, g * stride + 16); ++j) smp.push_back(mag_key<DT>(x, j));
+    const i64 m = (i64)smp.size();
+    const double p = (double)k * (double)m / (double)n;
+    i64 pos = (i64)(p + 4.0 * std::sqrt(p) + 16.0);  // k-th key >= the pos-th sampled key w.h.p.
+    for (int attempt = 0; attempt < 2 && total < 0; ++attempt) {
+      u32 thr = 0;
+      if (pos < m) {
+        std::nth_element(smp.begin(), smp.begin() + pos, smp.end(), std::greater<u32>());
+        thr = smp[pos];
+      }
+      i64 t = gather_all<DT>(x, n, thr, 0, idx, raw, cap, nth);
+      if (t >= k) total = t;
+      else if (t < 0) break;  // too many candidates (ties at a low threshold): radix path
+      pos = pos * 4 + 64;
+    }
+  }
+  if (total >= 0) {
+    if (total == k) {
+      for (i64 j = 0; j < k; ++j) emit(j, j, idx, raw);
+      return 1;
+    }
+    for (i64 j = 0; j < total; ++j) comp[j] = composite(key_of_raw(raw[j], DT), idx[j]);
+    std::nth_element(comp, comp + (k - 1), comp + total, std::greater<u64>());
+    const u64 kth = comp[k - 1];
+    i64 o = 0;
+    for (i64 j = 0; j < total; ++j)
+      if (composite(key_of_raw(raw[j], DT), idx[j]) >= kth) emit(j, o++, idx, raw);
+    return 1;
+  }
+  // radix fallback: the k-th largest key T bit by bit with counting passes, then every key > T
+  // (fewer than k) and the lowest-index keys == T
+  u32 T = 0;
+  for (int b = (DT == 0 ? 30 : 14); b >= 0; --b)
+    if (count_ge<DT>(x, n, T | (1u << b), nth) >= k) T |= 1u << b;
+  i64 g = gather_all<DT>(x, n, T, 1, idx, raw, cap, nth);  // g < k <= cap: never overflows
+  i64 need = k - g, o = 0, j = 0;
+  std::vector<u32> tie_idx(need), tie_raw(need);
+  for (i64 i = 0, c = 0; i < n && c < need; ++i)
+    if (mag_key<DT>(x, i) == T) { tie_idx[c] = (u32)i; tie_raw[c] = raw_at<DT>(x, i); ++c; }
+  i64 t2 = 0;
+  while (j < g || t2 < need) {
+    if (t2 >= need || (j < g && idx[j] < tie_idx[t2])) emit(j++, o++, idx, raw);
+    else emit(t2++, o++, tie_idx.data(), tie_raw.data());
+  }
+  return 3;
+}
+
+}  // namespace
+
+// ---- the C ABI (ctypes) ----------------------------------------------------------------
+API int cp_abi_version() { return 1; }
+
+API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
+                        u8* packed, int nth) {
+  if (dt == 0) qsgd_encode<0>(x, n, chunk, bits, key, scales, packed, nth);
+  else if (dt == 1) qsgd_encode<1>(x, n, chunk, bits, key, scales, packed, nth);
+  else qsgd_encode<2>(x, n, chunk, bits, key, scales, packed, nth);
+}
+
+API void cp_qsgd_decode(const float* s, const u8* packed, i64 n, i64 chunk, int bits, float* out,
+                        int acc, int nth) {
+  qsgd_decode(s, packed, n, chunk, bits, out, acc, nth);
+}
+
+// lanes: torch's Vectorized<float>::size() (8: AVX2/default, 16: AVX512); scales NULL: bits only
+API void cp_sign_encode(const void* x, int dt, i64 n, i64 chunk, int lanes, float* scales,
+                        u8* packed, int nth) {
+#define SIGN_CASE(W)                                                     \
+  if (dt == 0) sign_encode<W, 0>(x, n, chunk, scales, packed, nth);      \
+  else if (dt == 1) sign_encode<W, 1>(x, n, chunk, scales, packed, nth); \
+  else sign_encode<W, 2>(x, n, chunk, scales, packed, nth);
+  if (lanes == 16) { SIGN_CASE(16) } else { SIGN_CASE(8) }
+#undef SIGN_CASE
+}
+
+API void cp_sign_decode(const float* s, const u8* packed, i64 n, i64 chunk, float* out, int acc,
+                        int nth) {
+  sign_decode(s, packed, n, chunk, out, acc, nth);
+}
+
+API int cp_topk_exact(const void* x, int dt, i64 n, i64 k, u32* out_idx, void* out_vals, u32* idx,
+                      u32* raw, u64* comp, i64 cap, int nth) {
+  if (dt == 0) return topk_exact<0>(x, n, k, out_idx, out_vals, idx, raw, comp, cap, nth);
+  return topk_exact<1>(x, n, k, out_idx, out_vals, idx, raw, comp, cap, nth);  // 16-bit keys
+}

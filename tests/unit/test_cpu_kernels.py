@@ -1,0 +1,168 @@
+"""The compiled CPU codec (csrc/cpu/codec.cpp) against the torch/numpy path: the same bits for
+every compressor, shape, dtype, chunk, thread count and non-finite input; the exact top-k
+contract (the k largest magnitudes, ties toward the lowest index, indices ascending)."""
+
+import shutil
+
+import pytest
+import torch
+
+import compressors.topk as topk_mod
+from compressors import QSGD, Context, ScaledSign, TopK, cpu_kernels
+from unit_reference import topk_exact_compress
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def fallback(monkeypatch):
+    """A context manager: inside it the torch/numpy path runs."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        with monkeypatch.context() as m:
+            m.setenv(cpu_kernels.ENV_SWITCH, "0")
+            assert cpu_kernels.lib() is None
+            yield
+    return cm
+
+
+def test_compiled_path_is_what_users_get():
+    """Where a compiler exists the default run goes through the kernels (CI included)."""
+    if not shutil.which("g++") and not shutil.which("c++"):
+        pytest.skip("no C++ compiler: the torch path is what users get")
+    assert cpu_kernels.lib() is not None, cpu_kernels.build_error()
+    assert cpu_kernels.lib(torch.zeros(1, device="meta")) is None  # other devices: never
+
+
+def _data(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+    if n > 40:
+        x[3], x[5], x[17:23] = 0.0, -0.0, 0.0
+    return x.to(dtype)
+
+
+def _nonfinite(n, dtype):
+    x = _data(n, torch.float32, 7)
+    x[min(5, n - 1)] = float("nan")
+    x[n // 2] = float("inf")
+    x[(2 * n) // 3] = -float("inf")
+    if n > 200:
+        x[100:140] = 1e-40  # r = M/2 / s overflows to inf there (fp32)
+        x[150:160] = -float("nan")
+    return x.to(dtype)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32) if t.is_floating_point() else t
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        assert torch.equal(_bits(u), _bits(v))
+
+
+def _roundtrip(c, x, ctx):
+    p = c.compress(x, ctx)
+    n = x.numel()
+    dec = c.decompress(p, ctx)
+    into = c.decompress_into(p, ctx, torch.full((n,), 3.0))
+    acc = c.decompress_add_(p, ctx, _data(n, torch.float32, 99))
+    return [*p, dec, into, acc]
+
+
+CODECS = [QSGD(8), QSGD(4), QSGD(2), QSGD(1), QSGD(8, chunk=7), QSGD(2, chunk=3000),
+          ScaledSign(), ScaledSign(5), ScaledSign(2048), ScaledSign(40000), TopK(0.01), TopK(0.3),
+          TopK(1.0)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("c", CODECS, ids=repr)
+def test_compiled_equals_fallback(c, threads, fallback):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (1, 9, 4097, 70_003):
+            for dtype in DTYPES if n == 4097 else DTYPES[:1]:
+                for make in (_data, lambda n, d, s: _nonfinite(n, d)):
+                    if isinstance(c, TopK) and make is not _data and dtype != torch.float32:
+                        continue
+                    x = make(n, dtype, n)
+                    ctx = Context.of(x, step=3, bucket=1, rank=2, seed=4)
+                    got = _roundtrip(c, x, ctx)
+                    with fallback():
+                        want = _roundtrip(c, x, ctx)
+                    _same(got, want)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_tensor_aligned_layout_equal(fallback):
+    shapes = ((300,), (17, 5), (1,), (2000,))
+    x = _data(sum(torch.Size(s).numel() for s in shapes), torch.float32, 1)
+    ctx = Context.of(x, step=2, shapes=shapes)
+    for c in (QSGD(4, chunk=64), ScaledSign(16)):
+        got = _roundtrip(c, x, ctx)
+        with fallback():
+            _same(got, _roundtrip(c, x, ctx))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_topk_contract(dtype, fallback):
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "random": torch.randn(200_003, generator=g),
+        # ties at the k-th magnitude: many equal values, mixed signs
+        "ties": torch.randint(-3, 4, (100_000,), generator=g).float(),
+        # mostly zeros: the k-th magnitude is 0 (the counting fallback inside the kernel)
+        "zeros": torch.zeros(300_000).index_fill_(0, torch.arange(0, 300_000, 997), -2.0),
+        "nan_inf": torch.randn(50_000, generator=g).index_fill_(0, torch.tensor([3, 9]), float("nan"))
+        .index_fill_(0, torch.tensor([4]), float("inf")),
+        "clustered": torch.cat([torch.randn(150_000, generator=g) * 1e-3,
+                                torch.randn(4_000, generator=g) * 10]),  # large ones in one place
+    }
+    for name, x in cases.items():
+        x = x.to(dtype)
+        for density in (0.01, 0.001, 0.2):
+            c = TopK(density)
+            k = c.k_for(x.numel())
+            vals, idx = c.compress(x, Context.of(x))
+            want = topk_exact_compress(x, density)
+            assert torch.equal(idx, want[1]), (name, density)
+            assert torch.equal(_bits(vals), _bits(want[0])), (name, density)
+            assert bool((idx[1:] > idx[:-1]).all())  # ascending
+            mag = x.float().abs()
+            ref = torch.topk(mag, k)
+            # the multiset of magnitudes always equals torch.topk's; the set too without a tie
+            # at the boundary
+            assert torch.equal(torch.sort(mag[idx.long()]).values.nan_to_num(),
+                               torch.sort(ref.values).values.nan_to_num())
+            kth = ref.values.min()
+            if int((mag == kth).sum()) == 1 and not torch.isnan(kth):
+                assert set(idx.tolist()) == set(ref.indices.tolist())
+            with fallback():
+                got = c.compress(x, Context.of(x))
+            assert torch.equal(got[1], idx) and torch.equal(_bits(got[0]), _bits(vals))
+
+
+def test_exact_topk_takes_both_kernel_paths():
+    if cpu_kernels.lib() is None:
+        pytest.skip("no compiled kernels here")
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    TopK(0.01).compress(x, Context.of(x))
+    assert topk_mod._last_exact_path == 1  # the sampled threshold
+    TopK(0.01).compress(torch.zeros(1_000_000), Context(numel=1_000_000))
+    assert topk_mod._last_exact_path == 3  # every magnitude tied: the counting fallback
+
+
+def test_sign_scale_selfcheck_agrees_with_torch():
+    import compressors.sign as S
+    ck = cpu_kernels.lib()
+    if ck is None:
+        pytest.skip("no compiled kernels here")
+    for chunk in (1, 5, 8, 128, 129, 2048, 3000):
+        assert S._kernel_lanes(ck, chunk) == cpu_kernels.torch_lanes(), chunk
