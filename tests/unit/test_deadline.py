@@ -113,3 +113,17 @@ def test_garbage_from_a_dead_peer_reports_the_peer_not_the_decode():
     # every rank answered: a decode failure is a real one and is reported as such
     msg = _step_with_garbled_bucket(flags_ok=True)
     assert msg.startswith("commpress: allgather collective of bucket 0") and "index out of range" in msg
+
+
+def test_a_round_failing_in_the_hook_thread_is_named():
+    # a multi-round algorithm decodes an intermediate round in the hook's thread: garbage from
+    # a dead peer raised a bare IndexError out of backward(); now it names the collective
+    from comms.hook import _round_failure
+
+    what = "commpress: two_phase collective of bucket 1 (16512 x float32) at step 7 on rank 0 of 3"
+    msg = str(_round_failure(what, IndexError("index out of range in self")))
+    assert msg.startswith(what + " failed: index out of range in self") and "peer died" in msg
+    assert msg.count("commpress:") == 1 and ADVICE in msg
+    ours = CollectiveTimeout(f"commpress: two_phase all_to_all round of bucket 1 did not complete within 5 s; {ADVICE}")
+    again = _round_failure(what, ours)
+    assert isinstance(again, CollectiveTimeout) and str(again) == str(ours)
