@@ -53,8 +53,9 @@ class Case:
     (long timeout). ``world``: ranks (the victim is the last); ``nodes``: per-rank
     ``COMMPRESS_NODE`` names (hierarchical algorithms)."""
 
-    def __init__(self, label, spec, kw, phase, steps=20, at=None, world=3, nodes=None):
+    def __init__(self, label, spec, kw, phase, steps=20, at=None, world=3, nodes=None, tuner=None):
         self.label, self.spec, self.kw, self.phase = label, spec, dict(kw), phase
+        self.tuner = dict(tuner or {})  # attributes of state.planner.tuner (max_steps)
         self.steps = steps
         self.at = at
         self.world, self.nodes = world, nodes
@@ -69,8 +70,8 @@ def _fixed(label, spec, algorithm, **extra):
 
 
 # auto's phases: steps < start_iter are dense (before tuning); tuning starts at start_iter and
-# lasts (trials + 1) * autotune_steps steps (3 trials + dense: 8 steps at autotune_steps=2,
-# 12 at 3); the victim records the phase it actually stopped in
+# runs rounds of (trials + 1) * autotune_steps steps until decided (>= 4 rounds) or 40 steps;
+# the victim records the phase it actually stopped in
 CASES = [
     _fixed("fp16 allreduce", "fp16", "allreduce"),
     _fixed("powersgd allreduce", "powersgd:rank=2", "allreduce"),
@@ -84,7 +85,9 @@ CASES = [
            nodes=["nodeA", "nodeA", "nodeB", "nodeB"]),
     Case("topk auto", "topk:density=0.05", {"algorithm": "auto", "start_iter": 7, "autotune_steps": 2}, "before tuning", at=(2, 6)),
     Case("topk auto", "topk:density=0.05", {"algorithm": "auto", "start_iter": 2, "autotune_steps": 3}, "during trials", at=(3, 12)),
-    Case("topk auto", "topk:density=0.05", {"algorithm": "auto", "start_iter": 1, "autotune_steps": 2}, "after lock", at=(12, 16)),
+    # tuning lasts until decided (>= 4 rounds) or 40 steps; a 12-step budget locks by step 13
+    Case("topk auto", "topk:density=0.05", {"algorithm": "auto", "start_iter": 1, "autotune_steps": 2}, "after lock",
+         steps=24, at=(16, 20), tuner={"max_steps": 12}),
     Case("sign auto", "sign", {"algorithm": "auto", "start_iter": 2, "autotune_steps": 3}, "during trials", at=(3, 12)),
 ]
 
@@ -141,6 +144,8 @@ def _body(rank, world, case, how, seed, stamp_dir, pg_timeout):
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     model = DDP(model, bucket_cap_mb=0.05)
     state = comms.register(model, case.spec, **case.kw)
+    for k, v in case.tuner.items():
+        setattr(state.planner.tuner, k, v)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     params = list(model.parameters())
     where_ = rng.randrange(len(params) + 1)  # 0: before the forward; k: in backward at param k-1
