@@ -5,7 +5,24 @@ from __future__ import annotations
 __all__ = ["where"]
 
 
+def _rank(comm) -> str:
+    """``"rank R of W"`` in the default group; a sub-group's collective (hierarchical tiers, a
+    mesh dimension) also says its rank there, so every rank's error names the same numbering."""
+    text = f"rank {comm.rank} of {comm.world_size}"
+    if getattr(comm, "group", None) is None:
+        return text
+    try:
+        import torch.distributed as dist
+
+        g, gw = dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001 - no default group: the sub-group's numbering only
+        return text
+    if (g, gw) == (comm.rank, comm.world_size):
+        return text
+    return f"rank {g} of {gw} ({text} in its sub-group)"
+
+
 def where(comm, what: str, bucket: int, numel: int, dtype, step: int) -> str:
     """``"commpress: <what> of bucket B (N x dtype) at step S on rank R of W"``."""
     return (f"commpress: {what} of bucket {bucket} ({numel} x {str(dtype).replace('torch.', '')}) "
-            f"at step {step} on rank {comm.rank} of {comm.world_size}")
+            f"at step {step} on {_rank(comm)}")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from compressors import Context
 
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
-from .deadline import clean_message
+from .deadline import clean_message, failure
 from .errors import where
 from .futures import completed, guarded, when_all
 from .state import CompressionState
@@ -141,7 +141,13 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, alg.name,
                 lambda: alg.bucket_wire_bytes(compressor, ctx, world))
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
-    fut = alg(comm, compressor, x, ctx, state.store(index))
+    try:
+        fut = alg(comm, compressor, x, ctx, state.store(index))
+    except (RuntimeError, IndexError) as exc:
+        # an intermediate round (waited in this thread) failed, or what it handed back does not
+        # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
+        # here it would reach backward() bare ("index out of range in self")
+        raise _round_failure(what, exc) from None
     mask = state.momentum is not None and state.momentum_masking and getattr(compressor, "sparsifies", False)
 
     def finish(f):
@@ -158,6 +164,15 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         return x
 
     return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter, what=what)
+
+
+def _round_failure(what: str, exc: BaseException) -> BaseException:
+    """The error ``backward()`` gets when an algorithm fails in the hook's own thread."""
+    if clean_message(exc).startswith("commpress:"):
+        return failure(what, exc)  # our own wording (a timed-out round, a corrupt table)
+    return failure(what, RuntimeError(
+        f"{clean_message(exc)} (when a peer died or disconnected, gloo can hand back garbage "
+        "instead of an error, and decoding it fails like this)"))
 
 
 def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):

@@ -49,6 +49,7 @@ from .algorithms import ALGORITHMS, DENSE, get_algorithm
 from .autotune import MODEL, Autotuner
 from .communicator import Communicator, allreduce_max
 from .cost_model import CostModel
+from .errors import where
 from .probe import PROBE_SIZES
 from .plan_table import Plan, PlanRow
 from .topology import Topology, tiered_communicator
@@ -155,7 +156,7 @@ class Planner:
         then let the autotuner pick this step's rule (its decision ends in one collective).
         """
         now = time.perf_counter()  # first: the step's clock must not include our probes
-        self._step = step
+        self._step, self._bucket0 = step, (numel, dtype)
         self._seen_prev, self._seen_cur = self._seen_cur, []
         if step < start_iter or not self.ready:
             return
@@ -178,9 +179,10 @@ class Planner:
             self._logged = False  # log the plan again under the locked rule
 
     def _agree(self, values: list[float]) -> list[float]:
-        return allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64),
-                             f"commpress: autotune timing MAX-allgather at step {getattr(self, '_step', '?')} "
-                             f"on rank {self.comm.rank} of {self.comm.world_size}").tolist()
+        # issued in the hook's call for bucket 0 (errors name it like every per-bucket collective)
+        numel, dtype = getattr(self, "_bucket0", (0, torch.float32))
+        what = where(self.comm, "autotune timing MAX-allgather", 0, numel, dtype, getattr(self, "_step", -1))
+        return allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64), what).tolist()
 
     def _propose(self, keys) -> list[str]:
         """Compressed rules, best predicted first, distinct on the given buckets."""

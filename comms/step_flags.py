@@ -154,7 +154,15 @@ def _expire(pending: list[PendingBucket], flags_fut, flags_what: str, timeout: f
 
 def _settle(p: PendingBucket, i: int, flags_fut, on_nonfinite) -> None:
     try:
-        x = p.fut.value()
+        try:
+            x = p.fut.value()
+        except Exception as exc:  # noqa: BLE001
+            if "did not complete within" not in str(exc):
+                # once a peer is gone gloo can hand back garbage instead of an error, and the
+                # algorithm's decode then fails on it ("index out of range in self"): the
+                # step's flag allreduce (which counts the ranks) says what really happened
+                flags_fut.value()  # raises that failure when it failed too
+            raise
         flags = flags_fut.value()
         if p.flag is not None and flags[i] > 0:
             # as with plain allreduce, the non-finite value reaches every rank; the residual

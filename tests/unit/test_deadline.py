@@ -67,3 +67,63 @@ def test_timeout_option_validated_before_communication():
         with pytest.raises(ValueError, match="timeout must be"):
             comms.CompressionState("fp16", algorithm="allreduce", timeout=bad)
     assert comms.CompressionState("fp16", algorithm="allreduce", timeout=2.5).timeout == 2.5
+
+
+class _FlagComm:
+    """A 3-rank communicator whose flag allreduce hands back what gloo may once a peer is
+    gone: garbage (here: this rank's own vector, rank count 1)."""
+
+    rank, world_size, backend, timeout = 0, 3, "gloo", None
+
+    def all_reduce(self, t):
+        fut = torch.futures.Future()
+        fut.set_result(t)
+        return fut
+
+
+def _step_with_garbled_bucket(flags_ok: bool):
+    from comms.step_flags import StepFlags
+
+    comm = _FlagComm()
+    if flags_ok:
+        comm.all_reduce = lambda t: _done(t * torch.tensor([1.0, 3.0]))  # rank count 3
+    flags = StepFlags()
+    decode = torch.futures.Future()
+    what = "commpress: allgather collective of bucket 0 (8 x float32) at step 6 on rank 0 of 3"
+    out = flags.enqueue(0, 6, torch.tensor(False), torch.zeros(8), decode, what=what)
+    decode.set_exception(RuntimeError(f"{what} failed: index out of range in self"))
+    flags.flush(comm, 6, lambda b, s: None)
+    with pytest.raises(RuntimeError) as info:
+        out.wait()
+    return str(info.value)
+
+
+def _done(v):
+    fut = torch.futures.Future()
+    fut.set_result(v)
+    return fut
+
+
+def test_garbage_from_a_dead_peer_reports_the_peer_not_the_decode():
+    # issue 18 (topk allgather, stopped peer): a collective handed back garbage and the decode
+    # raised; the step's flag allreduce counted 1 rank of 3: that is the error backward() gets
+    msg = _step_with_garbled_bucket(flags_ok=False)
+    assert msg.startswith("commpress: non-finite-flag allreduce") and "rank count of 1 instead of 3" in msg
+    assert "index out of range" not in msg and msg.count("commpress:") == 1 and ADVICE in msg
+    # every rank answered: a decode failure is a real one and is reported as such
+    msg = _step_with_garbled_bucket(flags_ok=True)
+    assert msg.startswith("commpress: allgather collective of bucket 0") and "index out of range" in msg
+
+
+def test_a_round_failing_in_the_hook_thread_is_named():
+    # a multi-round algorithm decodes an intermediate round in the hook's thread: garbage from
+    # a dead peer raised a bare IndexError out of backward(); now it names the collective
+    from comms.hook import _round_failure
+
+    what = "commpress: two_phase collective of bucket 1 (16512 x float32) at step 7 on rank 0 of 3"
+    msg = str(_round_failure(what, IndexError("index out of range in self")))
+    assert msg.startswith(what + " failed: index out of range in self") and "peer died" in msg
+    assert msg.count("commpress:") == 1 and ADVICE in msg
+    ours = CollectiveTimeout(f"commpress: two_phase all_to_all round of bucket 1 did not complete within 5 s; {ADVICE}")
+    again = _round_failure(what, ours)
+    assert isinstance(again, CollectiveTimeout) and str(again) == str(ours)
