@@ -39,6 +39,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from compressors.base import PayloadPool
+
 __all__ = ["PipelinedExchange", "use_pipelined", "CHUNK_BYTES", "MIN_BYTES", "MAX_WORLD"]
 
 logger = logging.getLogger(__name__)
@@ -75,11 +77,13 @@ class PipelinedExchange:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._seq = 0
+        # outputs reused once unreferenced: a fresh world-sized output page-faults every call
+        self._pool = PayloadPool(per_key=8)
 
     def all_gather(self, t: torch.Tensor) -> torch.futures.Future:
         """Every rank's ``t`` concatenated in rank order (``world * numel`` elements)."""
         t = t.contiguous()
-        out = torch.empty(self.world * t.numel(), dtype=t.dtype)
+        out = self._pool.empty(self.world * t.numel(), t.dtype, "cpu")
         out[self.rank * t.numel():(self.rank + 1) * t.numel()].copy_(t)
         src, dst = _bytes(t), _bytes(out).view(self.world, -1)
         pairs = [(p, src, dst[p]) for p in self._peers()]
@@ -88,7 +92,7 @@ class PipelinedExchange:
     def all_to_all(self, t: torch.Tensor) -> torch.futures.Future:
         """Chunk ``j`` of ``t`` to rank ``j``; output chunk ``i`` from rank ``i``."""
         t = t.contiguous()
-        out = torch.empty_like(t)
+        out = self._pool.empty(t.numel(), t.dtype, "cpu")
         n = t.numel() // self.world
         out[self.rank * n:(self.rank + 1) * n].copy_(t[self.rank * n:(self.rank + 1) * n])
         src, dst = _bytes(t).view(self.world, -1), _bytes(out).view(self.world, -1)

@@ -109,6 +109,11 @@ def _declare(c) -> None:
     c.cp_sign_decode.restype = None
     c.cp_topk_exact.argtypes = [P, I, I64, I64, P, P, P, P, P, I64, I]
     c.cp_topk_exact.restype = I
+    F = ctypes.c_float
+    c.cp_ss_quantize.argtypes = [P, I64, I64, P, P, F, U32, I, P, P, I]
+    c.cp_ss_quantize.restype = None
+    c.cp_ss_decode.argtypes = [P, I, I64, I64, P, P, I]
+    c.cp_ss_decode.restype = None
 
 
 def enabled() -> bool:

@@ -35,14 +35,16 @@ import logging
 
 import torch
 
+from compressors import cpu_kernels
 from compressors.hashrng import stream_key, uniform_into
 
+from . import buffers
 from . import cuda_kernels as cuda_dispatch
 from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 
 __all__ = ["SharedScale", "shared_scale", "shared_scale_levels", "shared_scale_error_bound",
-           "quantize_reference", "decode_reference", "MIN_INT8_LEVELS"]
+           "quantize_reference", "decode_reference", "quantize_cpu", "decode_cpu", "MIN_INT8_LEVELS"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,38 @@ def decode_reference(summed, chunk, step, dtype):
     return _per_chunk_(out, step, chunk, "mul_").to(dtype)
 
 
+def quantize_cpu(xf, chunk, scales, levels, wire_dtype, key):
+    """Step 2 in one pass of ``csrc/cpu/codec.cpp`` (``cp_ss_quantize``): ``(q, own, step)``
+    with the bits of :func:`quantize_reference` (``own`` fp32 = its ``t * step``); ``None``
+    where the compiled codec is off or unavailable, or ``xf`` is not a contiguous fp32 CPU
+    tensor. ``q`` and ``own`` come from the algorithms' buffer pool."""
+    ck = cpu_kernels.lib(xf)
+    if ck is None or xf.dtype != torch.float32 or not xf.is_contiguous():
+        return None
+    n = xf.numel()
+    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))  # as the reference
+    step = scales / levels
+    q = buffers.empty(n, wire_dtype, xf.device)
+    own = buffers.empty(n, torch.float32, xf.device)
+    ck.cp_ss_quantize(xf.data_ptr(), n, chunk, inv.data_ptr(), step.data_ptr(), float(levels),
+                      key & 0xFFFFFFFF, wire_dtype.itemsize * 8, q.data_ptr(), own.data_ptr(),
+                      cpu_kernels.threads())
+    return q, own, step
+
+
+def decode_cpu(summed, chunk, step, dtype):
+    """Step 3 in one pass (``cp_ss_decode``), the bits of :func:`decode_reference`; ``None``
+    where the compiled codec is not used."""
+    ck = cpu_kernels.lib(summed)
+    if ck is None or summed.dtype not in (torch.int8, torch.int32) or not summed.is_contiguous():
+        return None
+    n = summed.numel()
+    out = buffers.empty(n, torch.float32, summed.device)
+    ck.cp_ss_decode(summed.data_ptr(), summed.dtype.itemsize * 8, n, chunk, step.data_ptr(),
+                    out.data_ptr(), cpu_kernels.threads())
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
 def _shared_scale(comm, compressor, x, ctx, store):
     """Shared-scale integer allreduce of flat ``x``; see the module docstring."""
     if not compressor.supports("shared_scale"):
@@ -127,6 +161,10 @@ def _shared_scale(comm, compressor, x, ctx, store):
     # CUDA: one kernel scales, dithers, rounds and casts (same bits as the torch path below)
     fast = (cuda_dispatch.shared_scale_quantize(xf, chunk, scales, levels, wire_dtype, key, ctx.dtype)
             if x.is_cuda else None)
+    if fast is None and not x.is_cuda:  # CPU: the compiled one-pass kernel, same bits
+        fast = quantize_cpu(xf, chunk, scales, levels, wire_dtype, key)
+        if fast is not None and ctx.dtype != torch.float32:
+            fast = (fast[0], fast[1].to(ctx.dtype), fast[2])
     if fast is not None:
         q, own, step = fast
         fut = comm.all_reduce(q)
@@ -139,8 +177,10 @@ def _shared_scale(comm, compressor, x, ctx, store):
     def done(f):
         if f.value().is_cuda:
             dec = cuda_dispatch.shared_scale_decode(f.value(), chunk, step, ctx.dtype)
-            if dec is not None:
-                return dec, own
+        else:
+            dec = decode_cpu(f.value(), chunk, step, ctx.dtype)
+        if dec is not None:
+            return dec, own
         return decode_reference(f.value(), chunk, step, ctx.dtype), own
 
     return fut.then(done)

@@ -519,6 +519,44 @@ int topk_exact(const void* x, i64 n, i64 k, u32* out_idx, void* out_vals, u32* i
   return 3;
 }
 
+// ---- shared_scale (comms/algorithms/shared_scale.py: quantize_reference, decode_reference) ----
+// t = clamp(floor(fl(fl(x * inv[c]) + u)), -L, L), NaN -> 0, u = fl(h24 + 0.5) * 2^-24 with
+// h24 = lowbias32(i ^ key) >> 8 (hashrng.uniform_into); q = t as int8 (wb 8) or int32, and
+// own = fl(t * step[c]) — the torch ops' roundings, one at a time (no FMA: -ffp-contract=off)
+void ss_quantize_range(const float* x, i64 e0, i64 e1, i64 chunk, const float* inv,
+                       const float* step, float L, u32 key, int wb, void* q, float* own) {
+  const float SC = 5.9604644775390625e-08f;  // 2**-24
+  for (i64 c0 = e0 - e0 % chunk; c0 < e1; c0 += chunk) {
+    const i64 a = std::max(e0, c0), b = std::min(e1, c0 + chunk);
+    const float iv = inv[c0 / chunk], st = step[c0 / chunk];
+    for (i64 i = a; i < b; ++i) {
+      float t = x[i] * iv;
+      float v = (float)(int32_t)(lowbias32((u32)i ^ key) >> 8);
+      v = v + 0.5f;
+      t = t + v * SC;
+      t = std::floor(t);
+      t = t < -L ? -L : t;
+      t = t > L ? L : t;
+      if (t != t) t = 0.0f;
+      if (wb == 8) ((int8_t*)q)[i] = (int8_t)(int32_t)t;
+      else ((int32_t*)q)[i] = (int32_t)t;
+      own[i] = t * st;
+    }
+  }
+}
+
+void ss_decode_range(const void* q, int wb, i64 e0, i64 e1, i64 chunk, const float* step,
+                     float* out) {
+  for (i64 c0 = e0 - e0 % chunk; c0 < e1; c0 += chunk) {
+    const i64 a = std::max(e0, c0), b = std::min(e1, c0 + chunk);
+    const float st = step[c0 / chunk];
+    if (wb == 8)
+      for (i64 i = a; i < b; ++i) out[i] = (float)((const int8_t*)q)[i] * st;
+    else
+      for (i64 i = a; i < b; ++i) out[i] = (float)((const int32_t*)q)[i] * st;
+  }
+}
+
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
@@ -556,4 +594,20 @@ API int cp_topk_exact(const void* x, int dt, i64 n, i64 k, u32* out_idx, void* o
                       u32* raw, u64* comp, i64 cap, int nth) {
   if (dt == 0) return topk_exact<0>(x, n, k, out_idx, out_vals, idx, raw, comp, cap, nth);
   return topk_exact<1>(x, n, k, out_idx, out_vals, idx, raw, comp, cap, nth);  // 16-bit keys
+}
+
+API void cp_ss_quantize(const float* x, i64 n, i64 chunk, const float* inv, const float* step,
+                        float L, u32 key, int wb, void* q, float* own, int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    ss_quantize_range(x, u0 * U, std::min(n, u1 * U), chunk, inv, step, L, key, wb, q, own);
+  });
+}
+
+API void cp_ss_decode(const void* q, int wb, i64 n, i64 chunk, const float* step, float* out,
+                      int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    ss_decode_range(q, wb, u0 * U, std::min(n, u1 * U), chunk, step, out);
+  });
 }

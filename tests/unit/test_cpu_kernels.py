@@ -166,3 +166,43 @@ def test_sign_scale_selfcheck_agrees_with_torch():
         pytest.skip("no compiled kernels here")
     for chunk in (1, 5, 8, 128, 129, 2048, 3000):
         assert S._kernel_lanes(ck, chunk) == cpu_kernels.torch_lanes(), chunk
+
+
+@pytest.mark.parametrize("world,bits", [(2, 8), (4, 4), (32, 8)])  # int8 wire, and int32 (32 ranks)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_scale_kernel_equals_reference(world, bits, threads, monkeypatch):
+    """comms/algorithms/shared_scale.py: the compiled quantize/decode give the bits of the
+    torch reference, with NaN, inf, zeros, tiny shared scales and a short last chunk."""
+    from comms.algorithms.shared_scale import (decode_cpu, decode_reference, quantize_cpu,
+                                               quantize_reference, shared_scale_levels)
+
+    if cpu_kernels.lib() is None:
+        pytest.skip(f"no compiled codec: {cpu_kernels.build_error()}")
+    monkeypatch.setattr(cpu_kernels, "threads", lambda: threads)
+    chunk, n = 256, 256 * 37 + 19
+    g = torch.Generator().manual_seed(world * 10 + bits)
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 4, (n,), generator=g).float()
+    x[5], x[300], x[301] = float("nan"), float("inf"), -float("inf")
+    x[512:768] = 0.0  # an all-zero chunk (scale 0)
+    x[1024:1280] = 1e-39  # a denormal scale: L / s overflows to inf, 0 * inf = NaN -> 0
+    x[1024] = 0.0
+    nch = -(-n // chunk)
+    scales = torch.stack([x[i * chunk:(i + 1) * chunk].abs().amax() for i in range(nch)])
+    scales = torch.maximum(scales, torch.rand(nch, generator=g) * 0.5)  # other ranks' larger maxima
+    scales[2], scales[4] = 0.0, 1e-39
+    levels, wire = shared_scale_levels(bits, world)
+    key = 0xDEADBEEF
+    q_ref, t_ref, step_ref = quantize_reference(x, chunk, scales, levels, wire, key)
+    q, own, step = quantize_cpu(x, chunk, scales, levels, wire, key)
+    assert q.dtype == wire and torch.equal(q, q_ref)
+    own_ref = t_ref.clone()
+    for i in range(nch):
+        own_ref[i * chunk:(i + 1) * chunk].mul_(step_ref[i])
+    assert torch.equal(step.view(torch.int32), step_ref.view(torch.int32))
+    assert torch.equal(own.view(torch.int32), own_ref.view(torch.int32))
+    summed = (q_ref.to(torch.int32) * 3).clamp(-levels * world, levels * world).to(wire)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = decode_reference(summed, chunk, step_ref, dtype)
+        got = decode_cpu(summed, chunk, step_ref, dtype)
+        assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           ref.view(torch.int16 if dtype != torch.float32 else torch.int32))
