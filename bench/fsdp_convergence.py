@@ -196,6 +196,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     launching.add_launch_args(p)
+    # 8 rows x 300 steps took 25-50 min on the shared 2 cores; the harness's 1800 s cut a run short
+    p.set_defaults(timeout=7200.0)
     p.add_argument("--mode", choices=("fsdp", "hsdp"), default="fsdp")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=10)
