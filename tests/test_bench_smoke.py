@@ -119,3 +119,23 @@ def test_fsdp_step_smoke(tmp_path):
     assert "fp16" in rows and "dense" in rows, out[-2000:]
     assert rows["fp16"][4] == "2", out[-2000:]  # wire_ratio: fp16 halves the reduce-scatter bytes
     assert os.path.exists(str(tmp_path / "fsdp") + ".md")
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_step_hsdp_smoke(tmp_path):
+    # 4 ranks as 2 "hosts" x 2 (unshaped): flat FSDP2, torch's native HSDP (dense and
+    # reduce_dtype=bf16) and our compressed replicate all-reduce, with the codec column
+    out = _run(["bench/fsdp_step.py", "-n", "4", "--per-host", "2", "--no-lock", "--width", "64",
+                "--depth", "1", "--steps", "1", "--warmup", "1", "--flat-specs", "fp16",
+                "--hsdp-specs", "fp16", "--out", str(tmp_path / "hsdp")], timeout=380)
+    rows = {ln.split("  ")[0].strip(): ln.split() for ln in out.splitlines() if ln.strip()}
+    for name in ("flat FSDP2 4 ranks dense", "flat FSDP2 ours fp16", "HSDP dense (torch native)",
+                 "HSDP torch reduce_dtype=bf16", "HSDP ours fp16", "HSDP dense (again)"):
+        assert name in rows, (name, out[-3000:])
+    ours = rows["HSDP ours fp16"]
+    # config (3 words), step_ms, speedup, link_bytes, raw_ms, codec_ms, ...: fp16 halves the
+    # replicate all-reduce's bytes (+ a 4-byte flag per FSDP module: the layer and the root);
+    # no link rate unshaped: raw_ms is "-"
+    dense_link = int(rows["HSDP dense (torch native)"][6])
+    assert int(ours[5]) == dense_link // 2 + 2 * 4 and ours[6] == "-" and float(ours[7]) > 0, out[-3000:]
+    assert os.path.exists(str(tmp_path / "hsdp") + ".md")

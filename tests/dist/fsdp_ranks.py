@@ -233,3 +233,49 @@ def config_mismatch(rank, world):
     except ValueError as exc:
         return {"error": str(exc), "steps": dict(st.steps), "residuals": len(st.memory.residuals)}
     return {"error": None}
+
+
+def teacher_data(n_train=2048, n_eval=512):
+    """A learnable task for the convergence tests: labels from a fixed random teacher MLP."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n_train + n_eval, 32, generator=g)
+    teacher = make_model(seed=12)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.mul_(8.0)  # sharper logits than the students' init: a target worth learning
+        y = teacher(x).argmax(1)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def hsdp_train_eval(rank, world, spec, n_steps, data, native=False, lr=0.05, **kw):
+    """HSDP 2 x (world/2) on the teacher task (SGD momentum 0.9, batch 16 per rank, each rank
+    its own slice of the same global batch); returns held-out losses and the local shards."""
+    x, y, ex, ey = data
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = shard_model(make_model(), mesh if native else mesh["shard"])
+    state = None
+    if not native:
+        state = comms.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"), **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    evals = []
+    for step in range(n_steps):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(step))
+        idx = perm[rank * 16:(rank + 1) * 16]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+        if (step + 1) % 10 == 0:
+            with torch.no_grad():
+                evals.append(float(nn.functional.cross_entropy(model(ex), ey)))
+    model.reshard()
+    return {"evals": evals, "local": local_shards(model), "shard_rank": mesh["shard"].get_local_rank(),
+            "nonfinite": state.nonfinite_modules if state else 0}
+
+
+def hsdp_convergence(rank, world, specs, n_steps):
+    data = teacher_data()
+    out = {"dense": hsdp_train_eval(rank, world, None, n_steps, data, native=True)}
+    for s in specs:
+        out[s] = hsdp_train_eval(rank, world, s, n_steps, data, start_iter=2)
+    return out

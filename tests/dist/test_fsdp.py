@@ -110,3 +110,32 @@ def test_config_mismatch_raises_on_every_rank_before_data_moves():
     for r in res:
         assert r["error"] is not None and "seed" in r["error"], r
         assert r["steps"] == {} and r["residuals"] == 0  # nothing applied
+
+
+# final held-out loss (mean of the last 3 evaluations) / native HSDP dense, 60 steps, fixed
+# seeds. Measured at 60 steps (4 gloo ranks, 2 x 2): qsgd4 1.000, topk 10% + EF 1.00, sign + EF
+# 1.08. The bounds are issue 7's targets for QSGD 4-bit and top-k; sign + EF gets 1.15 here
+# (issue 7: 1.05 at 300 steps on the char transformer, measured by bench/fsdp_convergence.py):
+# 60 steps of sign on a small task still oscillate (its last evals: 0.77, 0.87, 0.79).
+HSDP_CONVERGENCE_BOUNDS = {"qsgd:bits=4": 1.02, "topk:density=0.1": 1.03, "sign": 1.15}
+
+
+@pytest.mark.timeout(540)
+def test_hsdp_compressed_trains_within_bound_of_native_hsdp():
+    # 55 s on a quiet machine, 130 s at load 10; the spawn timeout fires before pytest's
+    res = spawn(F.hsdp_convergence, 4, list(HSDP_CONVERGENCE_BOUNDS), 60, timeout=480)
+
+    def final(evals):
+        return sum(evals[-3:]) / 3
+
+    dense = res[0]["dense"]["evals"]
+    assert final(dense) < 0.7 * dense[0], dense  # the task is learnt: a bound on a flat loss says nothing
+    for spec, bound in HSDP_CONVERGENCE_BOUNDS.items():
+        ratio = final(res[0][spec]["evals"]) / final(dense)
+        assert ratio <= bound, (spec, ratio, res[0][spec]["evals"], dense)
+        by_shard = {}
+        for r in res:  # every rank evaluated the same full model; replicas hold the same bits
+            assert r[spec]["evals"] == res[0][spec]["evals"] and r[spec]["nonfinite"] == 0
+            by_shard.setdefault(r[spec]["shard_rank"], []).append(r[spec]["local"])
+        for replicas in by_shard.values():
+            assert torch.equal(replicas[0], replicas[1]), spec
