@@ -34,6 +34,8 @@ import glob
 import logging
 import math
 import os
+import statistics
+import subprocess
 import sys
 import sysconfig
 
@@ -240,7 +242,56 @@ class OddConvTask:
         return float(nn.functional.cross_entropy(model(self.ex), self.ey))
 
 
-TASKS = {"digits": DigitsTask, "charlm": CharLMTask, "oddconv": OddConvTask}
+class Digits25MTask(DigitsTask):
+    """ddp_step's 25M MLP (6 x Linear(2048), its ``mlp`` builder) on digits, each 64-pixel image
+    linearly interpolated to 2048 features (standardised); 10 classes among its 2048 logits.
+    SGD lr 0.015 momentum 0.9, batch 16 per rank, one DDP bucket for every hook (torch's
+    powerSGD_hook needs it on gloo). The loss is the cross-entropy on 256 fixed training
+    samples, split across the ranks. Big enough that the link matters: at 1 Gb/s a dense step
+    moves 100 MB per rank (~1 s) against ~0.2 s of compute (the time-to-quality task)."""
+
+    name = "digits25m"
+    # lr 0.03 diverged under DDP (dense 4e4 after 150 steps at 1 Gb/s) and 0.02 was bumpy on one
+    # process; at 0.015 the loss is still falling at 150 steps (no plateau to sit on)
+    default_steps = 150
+    n_eval = 256
+
+    def __init__(self, args):
+        import torch.nn.functional as F
+
+        super().__init__(args)
+        self.width = args.width or 2048
+        self.depth = args.depth or 6
+        x = F.interpolate(self.x.view(-1, 1, 64), size=self.width, mode="linear", align_corners=False)
+        x = x.reshape(len(self.x), self.width)
+        self.x = (x - x.mean()) / x.std()
+        self.batch = args.batch or 16
+        self.lr = args.lr or 0.015
+        self.eval_idx = torch.arange(0, len(self.x), max(1, len(self.x) // self.n_eval))[:self.n_eval]
+        numel = sum(p.numel() for p in self.model().parameters())
+        self.bucket_cap_mb = math.ceil(numel * 4 / 2 ** 20 * 1.1) + 1  # the whole model: one bucket
+
+    def model(self) -> nn.Module:
+        from ddp_step import build_model
+
+        return build_model("mlp", self.width, self.depth, seed=0)
+
+    @torch.no_grad()
+    def evaluate(self, model) -> float:
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        idx = self.eval_idx[rank::world]  # each rank evaluates its share, then one tiny allreduce
+        t = torch.tensor([float(nn.functional.cross_entropy(model(self.x[idx]), self.y[idx],
+                                                            reduction="sum")), float(len(idx))],
+                         dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(t)
+        return float(t[0] / t[1])
+
+
+TASKS = {"digits": DigitsTask, "charlm": CharLMTask, "oddconv": OddConvTask,
+         "digits25m": Digits25MTask}
 
 
 # -- training -------------------------------------------------------------------------------
@@ -249,29 +300,61 @@ def steps_for(task, args) -> int:
     return args.steps if args.steps is not None else task.default_steps
 
 
-def train(task, cfg, args, rank: int, world: int) -> list[tuple[int, float]]:
-    """Train ``task`` with hook ``cfg``; return [(step, eval loss)] (identical on every rank)."""
+def train(task, cfg, args, rank: int, world: int) -> dict:
+    """Train ``task`` with hook ``cfg``. Returns ``{"curve": [(step, eval loss)], "times": [s],
+    ...}``: ``times[i]`` is the training wall clock (seconds, max over ranks) when ``curve[i]``
+    was evaluated: registering the hook plus every step (batch, forward, backward, optimizer;
+    an auto hook's probing and tuning happen inside steps, so they count); evaluations are
+    off the clock (a barrier after each restarts the ranks together)."""
+    import time
+
+    import torch.distributed as dist
+
+    from harness import wire
+
     steps = steps_for(task, args)
     model = task.model()
     cap = getattr(task, "bucket_cap_mb", None) or args.bucket_cap_mb
     if cfg.kind == "torch-powersgd":
-        cap = args.bucket_cap_mb  # torch's powerSGD_hook fails on gloo with more than one bucket
+        cap = max(cap, args.bucket_cap_mb)  # torch's powerSGD_hook fails on gloo with > 1 bucket
     ddp = DDP(model, bucket_cap_mb=cap)
     opt = task.optimizer(ddp.parameters())
+    curve = [(0, task.evaluate(model))]
+    dist.barrier()
+    t0 = time.perf_counter()
     state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter,
                                 optimizer=opt if args.pairing == "optimizer" else None,
                                 **_hook_options(args))
-    curve = [(0, task.evaluate(model))]
+    clock = time.perf_counter() - t0
+    stamps, step_s = [clock], []  # stamps[k]: the clock after step k (k = 0: registration)
     for step in range(1, steps + 1):
+        t0 = time.perf_counter()
         x, y = task.batch_at(step - 1, rank, world)
         opt.zero_grad(set_to_none=False)
         loss = task.loss(ddp(x), y)
         loss.backward()
         opt.step()
+        dt = time.perf_counter() - t0
+        clock += dt
+        stamps.append(clock)
+        step_s.append(dt)
         if step % args.eval_every == 0 or step == steps:
             curve.append((step, task.evaluate(model)))
+            dist.barrier()
+    t = torch.tensor(stamps + step_s, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # as slow as the slowest rank
+    stamps, step_s = t[:steps + 1].tolist(), sorted(t[steps + 1:].tolist())
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    tuner = getattr(getattr(state, "planner", None), "tuner", None)
+    run = {"curve": curve, "times": [stamps[s] for s, _ in curve], "wall_s": stamps[-1],
+           "step_ms": 1e3 * statistics.median(step_s) if step_s else None, "steps": steps,
+           "wire_bytes": wire.config_wire_bytes(cfg, state, params, world),
+           "algorithm": wire.config_algorithm(cfg, state, wire.dense_wire_bytes(numel, world)),
+           "tuned": (f"{tuner.tuning_steps}" + ("" if tuner.locked else " (not locked)"))
+           if tuner is not None else None}
     del state
-    return curve
+    return run
 
 
 def _hook_options(args) -> dict:
@@ -292,6 +375,8 @@ def rank_main(rank: int, world: int, args):
         configs = [configs[0]] + [
             hooks.HookConfig(item, "ours", item.rpartition("@")[0], item.rpartition("@")[2] or None)
             for item in args.specs.split(";") if item.strip()]
+    if args.time_to_quality:
+        return ttq_main(rank, world, args, configs, skipped)
     if rank == 0:
         print(f"# convergence: tasks={args.tasks} world={world} steps={args.steps or 'task default'} "
               f"eval every {args.eval_every}, final = mean of last {args.tail} evals", flush=True)
@@ -304,7 +389,7 @@ def rank_main(rank: int, world: int, args):
         it = tables.progress(configs, total=len(configs), desc=tname,
                               enable=rank == 0 and args.progress)
         for cfg in it:
-            res[cfg.name] = train(task, cfg, args, rank, world)
+            res[cfg.name] = train(task, cfg, args, rank, world)["curve"]
         dense_final = _final(res["dense"], args.tail)
         for name, curve in res.items():
             final = _final(curve, args.tail)
@@ -321,6 +406,182 @@ def rank_main(rank: int, world: int, args):
         _write(args, rows, curves, cols, skipped, world,
                {t: steps_for(TASKS[t], args) for t in args.tasks.split(",")})
     return rows
+
+
+# -- time to quality (issue 17's must-show, the headline measure) ----------------------------
+# the run's default hooks: dense, torch's two, every default(...) row, two labelled pinned rows
+TTQ_HOOKS = "torch-psgd-r1,torch-fp16,default(,topk1%+ef@allgather,sign+ef@allgather"
+TTQ_COLUMNS = ["hook", "path", "algorithm", "tuned", "steps", "wall_s", "step_ms", "loss_ratio",
+               "ttq_step", "ttq_s", "speedup", "vs_psgd_r1", "wire_MB", "raw_ms"]
+PSGD = "torch-psgd-r1"
+
+
+def smoothed(curve: list, i: int, tail: int) -> float:
+    """Mean of the evaluations ``curve[i - tail + 1 .. i]`` (fewer at the start)."""
+    vals = [v for _, v in curve[max(0, i - tail + 1): i + 1]]
+    return sum(vals) / len(vals)
+
+
+def time_to_quality(run: dict, target: float, tail: int) -> tuple[int | None, float | None]:
+    """(step, clock seconds) of the first evaluation whose smoothed loss (:func:`smoothed`) is
+    at most ``target``; ``(None, None)`` if none is. With ``target`` = dense's final loss
+    (:func:`_final`, the same mean) dense reaches it at its last evaluation at the latest."""
+    for i, (step, _) in enumerate(run["curve"]):
+        if smoothed(run["curve"], i, tail) <= target:
+            return step, run["times"][i]
+    return None, None
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def _path_of(cfg) -> str:
+    if cfg.kind == "dense":
+        return "dense"
+    if cfg.kind.startswith("torch"):
+        return "torch"
+    return "default" if cfg.default else "pinned"
+
+
+def ttq_main(rank: int, world: int, args, configs, skipped):
+    """Time to quality: every hook trains the task; per hook the wall clock at which its
+    smoothed loss first reaches dense's final loss, next to dense and torch's hooks, plus the
+    floors measured in the same run (the step without communication, the raw wire time)."""
+    import torch.distributed as dist
+
+    from ddp_step import FLOOR, measure_floor, raw_transfer_ms
+
+    task = TASKS[args.tasks](args)
+    load_before = _uptime() if rank == 0 else None
+    if rank == 0:
+        print(f"# time to quality: task={task.name} link={args.link} world={world} "
+              f"steps={steps_for(task, args)} eval every {args.eval_every} (off the clock), "
+              f"smoothed = mean of the last {args.tail} evals; load before: {load_before}", flush=True)
+        for what, why in skipped:
+            print(f"# skipped {what}: {why}", flush=True)
+    # warm the links once (connections, buffers) so that the first hook pays no one-off cost
+    dist.all_reduce(torch.zeros(sum(p.numel() for p in task.model().parameters())))
+    runs = {}
+    for cfg in tables.progress(configs, total=len(configs), desc=task.name,
+                                enable=rank == 0 and args.progress):
+        runs[cfg.name] = run = train(task, cfg, args, rank, world)
+        run["path"] = _path_of(cfg)
+        run["raw_ms"] = raw_transfer_ms(run["wire_bytes"], world)
+        if rank == 0:
+            print(f"# {cfg.name}: {run['steps']} steps, {run['wall_s']:.1f} s, step "
+                  f"{run['step_ms']:.0f} ms, final loss {_final(run['curve'], args.tail):.4g} "
+                  f"({run['algorithm']})", flush=True)
+    width, depth = getattr(task, "width", None), getattr(task, "depth", None)
+    floor = None
+    if width:  # the same MLP without DDP on every rank at once (ddp_step's floor, reused)
+        fa = argparse.Namespace(model="mlp", width=width, depth=depth, seed=0, batch=task.batch,
+                                warmup=3, steps=args.floor_steps)
+        floor = measure_floor(fa, rank, world)
+    load_after = _uptime() if rank == 0 else None
+    if rank != 0:
+        return None
+    dense_final = _final(runs["dense"]["curve"], args.tail)
+    rows = []
+    for name, run in runs.items():
+        step, secs = time_to_quality(run, dense_final, args.tail)
+        rows.append({"hook": name, "path": run["path"], "algorithm": run["algorithm"],
+                     "tuned": run["tuned"], "steps": run["steps"], "wall_s": run["wall_s"],
+                     "step_ms": run["step_ms"],
+                     "final_loss": _final(run["curve"], args.tail),
+                     "loss_ratio": _final(run["curve"], args.tail) / dense_final,
+                     "ttq_step": step if step is not None else "not reached",
+                     "ttq_s": secs if secs is not None else "not reached",
+                     "wire_MB": run["wire_bytes"] / 1e6 if run["wire_bytes"] else None,
+                     "raw_ms": run["raw_ms"], "_secs": secs})
+    ref = {r["hook"]: r["_secs"] for r in rows}
+    for r in rows:
+        for col, base in (("speedup", ref["dense"]), ("vs_psgd_r1", ref.get(PSGD))):
+            r[col] = base / r["_secs"] if base and r["_secs"] else None
+    if floor is not None:
+        rows.append({"hook": FLOOR, "path": "no DDP", "algorithm": "none", "step_ms": floor["step_ms"]})
+    print(tables.format_table(rows, TTQ_COLUMNS), flush=True)
+    print(f"# dense final loss {dense_final:.4g}; load after: {load_after}", flush=True)
+    if args.out:
+        _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor,
+                   load_before, load_after)
+    return rows
+
+
+def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_before,
+               load_after) -> None:
+    out = args.out
+    tables.write_csv(out + ".csv", rows, TTQ_COLUMNS + ["final_loss"])
+    tables.write_csv(out + "_curves.csv",
+                     [{"hook": h, "step": s, "seconds": t, "loss": v}
+                      for h, run in runs.items() for (s, v), t in zip(run["curve"], run["times"])],
+                     ["hook", "step", "seconds", "loss"])
+    png = _plot_ttq(runs, dense_final, out, f"{task.name}, {world} ranks, link {args.link}")
+    steps = steps_for(task, args)
+    md = [f"# Time to quality: {task.name}, {world} gloo ranks, link {args.link}", "", "```",
+          args.command, "```", "",
+          f"Machine: {machine.machine_facts()}.", "",
+          f"Load: before `{load_before}`; after `{load_after}`.", "",
+          f"Task `{task.name}`: {' '.join((task.__doc__ or '').split())}"
+          + (f" Here: width {task.width}, depth {task.depth}." if getattr(task, "width", None) else "")
+          + f" {steps} steps per hook, the same "
+          f"initial weights and data order for every hook; batch {task.batch} per rank, lr {task.lr}. "
+          f"Loss evaluated every {args.eval_every} steps; smoothed loss = mean of the last "
+          f"{args.tail} evaluations; dense's final loss = its smoothed loss at the end "
+          f"({dense_final:.4g}).", "",
+          "Clock: per hook, registering the hook plus every training step (batch, forward, "
+          "backward, optimizer step), the max over ranks; evaluations are off the clock. Auto "
+          "rows (`default(...)`) pay their link probing and autotuning inside the clock, as a "
+          "user does (`tuned` = the autotuner's tuning steps).", "",
+          "Columns: `path` — `default`: `comms.register(ddp, spec, optimizer=opt)` with every "
+          "other default (algorithm auto; out of the box); `pinned`: a hand-picked algorithm and "
+          "setting (e.g. `topk:density=0.01,exact=false` at allgather), not the default; `torch`: "
+          "PyTorch's own hooks (optimizer keeps its momentum). `steps`/`wall_s`: the whole run; "
+          "`step_ms`: median step; `loss_ratio` = final loss / dense's final; `ttq_step`/`ttq_s`: "
+          "the first evaluation whose smoothed loss is <= dense's final loss (`not reached` if "
+          "none); `speedup` = dense's ttq_s / the row's; `vs_psgd_r1` = torch PowerSGD r1's "
+          "ttq_s / the row's; `wire_MB` per rank per step; `raw_ms`: one plain gloo allreduce "
+          "sending the row's wire bytes on the same links in the same run (the wire-time floor).",
+          ""]
+    if floor is not None:
+        md += [f"Floor (same run): `{floor['hook']}` — the same model and batch trained without "
+               f"DDP on every rank at once (world size 1, no communication; "
+               f"`bench/ddp_step.py`'s `measure_floor`), median step {floor['step_ms']:.0f} ms: "
+               f"no hook's step can beat it.", ""]
+    md += [f"Skipped: {what} — {why}" for what, why in skipped] + ([""] if skipped else [])
+    md.append(tables.format_table(rows, TTQ_COLUMNS, markdown=True))
+    md += ["", f"![{os.path.basename(png)}]({os.path.basename(png)})"]
+    tables.write_text(out + ".md", "\n".join(md) + "\n")
+
+
+def _plot_ttq(runs, dense_final, out, title) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    cmap = plt.get_cmap("tab20")
+    for i, (h, run) in enumerate(runs.items()):
+        ax.plot(run["times"], [v for _, v in run["curve"]], label=h,
+                color="black" if h == "dense" else cmap(i % 20),
+                linewidth=2.2 if h == "dense" else 1.1,
+                linestyle="--" if h.startswith("torch") else ":" if run["path"] == "pinned" else "-")
+    ax.axhline(dense_final, color="black", linewidth=0.8, alpha=0.6)
+    ax.set_xlabel("training wall-clock seconds (max over ranks; evaluation excluded)")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.set_title(f"Loss against wall-clock time: {title} (line: dense's final loss)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out + ".png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _final(curve, tail: int) -> float:
@@ -380,8 +641,17 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     launching.add_launch_args(p)
-    p.add_argument("--tasks", default="digits,charlm,oddconv",
-                   help="comma-separated: digits, charlm, oddconv")
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated: digits, charlm, oddconv, digits25m (default: the first "
+                        "three; with --time-to-quality: digits25m)")
+    p.add_argument("--time-to-quality", action="store_true",
+                   help="time-to-quality mode (implied by --netsim): one task (default digits25m), "
+                        f"hooks {TTQ_HOOKS.replace('%', '%%')!r} unless --hooks; loss against wall-clock seconds and "
+                        "per hook the time to reach dense's final loss, with the floors of the run")
+    p.add_argument("--width", type=int, default=None, help="digits25m: MLP width (2048)")
+    p.add_argument("--depth", type=int, default=None, help="digits25m: MLP layers (6)")
+    p.add_argument("--floor-steps", type=int, default=10,
+                   help="time-to-quality: measured steps of the no-communication floor")
     p.add_argument("--pairing", choices=("optimizer", "none"), default="optimizer",
                    help="register(..., optimizer=opt) (default: SGD momentum moves into the hook) "
                         "or register without it (the optimizer keeps its momentum)")
@@ -403,9 +673,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--specs", default=None,
                    help="';'-separated 'spec@algorithm' hooks to run instead (dense stays), e.g. "
                         "'qsgd:bits=4,chunk=64@allgather;qsgd:bits=4,chunk=512@allgather'")
-    p.add_argument("--out", default=os.path.join(harness.RESULTS, "convergence"),
-                   help="write OUT.md, OUT.csv, OUT_curves.csv, OUT_<task>.png ('' for none)")
+    p.add_argument("--out", default=None,
+                   help="write OUT.md, OUT.csv, OUT_curves.csv, OUT_<task>.png ('' for none; default "
+                        "bench/results/convergence, with --time-to-quality "
+                        "bench/results/time_to_quality_<link>, writing OUT.png)")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
@@ -413,15 +686,31 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    if args.command is None:  # what the user typed, before the defaults below are made explicit
+        args.command = launching.shell_command(argv)
+        argv = [*argv, "--command", args.command]
+    if args.netsim and not args.time_to_quality:  # --netsim means time to quality; the netsim
+        args.time_to_quality = True               # children never see --netsim: tell them
+        argv = [*argv, "--time-to-quality"]
+    if args.tasks is None:
+        args.tasks = "digits25m" if args.time_to_quality else "digits,charlm,oddconv"
+        argv = [*argv, "--tasks", args.tasks]
+    if args.time_to_quality and args.hooks is None and args.specs is None:
+        args.hooks = TTQ_HOOKS
+        argv = [*argv, "--hooks", args.hooks]
+    if args.out is None:
+        link = args.link or args.netsim or "unshaped"
+        args.out = os.path.join(harness.RESULTS, f"time_to_quality_{link}" if args.time_to_quality
+                                else "convergence")
+        argv = [*argv, "--out", args.out]
     bad = [t for t in args.tasks.split(",") if t not in TASKS]
     if bad:
         raise SystemExit(f"unknown task(s) {bad}; known: {sorted(TASKS)}")
+    if args.time_to_quality and "," in args.tasks:
+        raise SystemExit("--time-to-quality runs one task (--tasks NAME)")
     if (args.steps is not None and args.steps < 1) or args.eval_every < 1 or args.tail < 1:
         raise SystemExit("--steps, --eval-every and --tail must be >= 1")
-    if args.command is None:
-        args.command = launching.shell_command(argv)
-        argv = [*argv, "--command", args.command]
-    return launching.launch(os.path.abspath(__file__), rank_main, args, argv)
+    return launching.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_convergence_and_sweep_smoke(tmp_path):
                 "--steps", "2", "--warmup", "3", "--hooks", "torch-fp16", "--out", str(tmp_path / "sw")])
     rows = _table(out, "hook")
     assert rows[0] == ["hook", "wire_MB", "unshaped", "x@unshaped"]
-    assert [r[0] for r in rows[1:]] == ["dense", "torch-fp16", "dense(again)"]
+    assert [r[0] for r in rows[1:]] == ["dense", "torch-fp16", "dense(again)", "no-comm"]  # + floor
     assert (tmp_path / "sw.csv").exists() and (tmp_path / "sw.md").exists()
 
 
@@ -139,3 +139,35 @@ def test_fsdp_step_hsdp_smoke(tmp_path):
     dense_link = int(rows["HSDP dense (torch native)"][6])
     assert int(ours[5]) == dense_link // 2 + 2 * 4 and ours[6] == "-" and float(ours[7]) > 0, out[-3000:]
     assert os.path.exists(str(tmp_path / "hsdp") + ".md")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_time_to_quality_smoke(tmp_path):
+    # the --netsim time-to-quality mode's code path, unshaped: a tiny MLP on the digits task
+    out = _run(["bench/convergence.py", "-n", "2", "--time-to-quality", "--width", "64",
+                "--depth", "2", "--steps", "6", "--eval-every", "2", "--tail", "2",
+                "--floor-steps", "2", "--hooks", "torch-psgd-r1,qsgd8@allgather", "--no-lock",
+                "--no-progress", "--out", str(tmp_path / "ttq")])
+    header = _table(out, "hook")[0]
+    assert header == ["hook", "path", "algorithm", "tuned", "steps", "wall_s", "step_ms",
+                      "loss_ratio", "ttq_step", "ttq_s", "speedup", "vs_psgd_r1", "wire_MB",
+                      "raw_ms"]
+    with open(tmp_path / "ttq.csv") as f:
+        by = {r["hook"]: r for r in csv.DictReader(f)}
+    assert set(by) == {"dense", "torch-psgd-r1", "qsgd8@allgather", "no-comm floor"}
+    dense = by["dense"]
+    # dense's final loss is the mean of its last evaluations: it reaches it at its own end
+    assert dense["ttq_step"] == dense["steps"] == "6"
+    assert float(dense["ttq_s"]) == float(dense["wall_s"]) > 0
+    assert float(dense["speedup"]) == 1.0 and float(dense["loss_ratio"]) == 1.0
+    assert by["torch-psgd-r1"]["path"] == "torch" and by["qsgd8@allgather"]["path"] == "pinned"
+    assert float(by["dense"]["raw_ms"]) > 0 and float(by["no-comm floor"]["step_ms"]) > 0
+    with open(tmp_path / "ttq_curves.csv") as f:
+        curve = [r for r in csv.DictReader(f) if r["hook"] == "dense"]
+    assert [int(r["step"]) for r in curve] == [0, 2, 4, 6]
+    secs = [float(r["seconds"]) for r in curve]
+    assert secs == sorted(secs) and secs[-1] == float(dense["wall_s"])
+    md = (tmp_path / "ttq.md").read_text()
+    assert "--time-to-quality" in md and "Load: before" in md and "no-comm floor" in md
+    assert (tmp_path / "ttq.png").stat().st_size > 1000
