@@ -20,12 +20,15 @@ completes a ``torch.futures.Future``. Its waits are bounded by the process group
 surfaces as an error of the collective, never a hang.
 
 Used by :class:`comms.communicator.TorchCommunicator` for CPU tensors on gloo with
-``2 <= world <= MAX_WORLD`` (measured at 2 and 4; direct exchange with every peer at once
-puts ``world - 1`` flows on each link, which a switched network carries at full rate; beyond
-``MAX_WORLD`` gloo's own ring is kept, unmeasured here) and payloads of at least
+``2 <= world <= MAX_WORLD`` and payloads of at least
 ``MIN_BYTES`` per rank (below that a message is latency-bound and gloo's one-call collective
 is as fast). Every rank takes the same path: the choice depends on the numel, dtype and world
 only, which allgather and all_to_all require to match.
+
+``MAX_WORLD = 2`` by measurement: at 4 ranks (netsim 1 Gb/s, the 4 ranks on 2 shared cores)
+the every-peer-at-once exchange won with 8 MB per rank (222 vs 325 ms) and lost with 26 MB per
+rank (allgather 1068 vs gloo's 830 ms; all_to_all 270 vs 262), so beyond 2 ranks gloo's own
+collectives are kept until a schedule (ring, or fewer peers at once) measures better.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # the measured best of 256 KiB, 1 MiB, 4 MiB (window 1)
 MIN_BYTES = 512 << 10  # per rank; 2 MB per rank measured 26 ms pipelined vs 28.5 ms gloo allgather
-MAX_WORLD = 8
+MAX_WORLD = 2  # see the module docstring
 _TAG_BASE = 0x3C000000  # apart from other point-to-point users of the group
 _STOP = object()
 _LIVE: "weakref.WeakSet[PipelinedExchange]" = weakref.WeakSet()
