@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None):
     if args.list:
         configs, skipped = hooks.hook_configs()
         for c in configs:
-            print(f"{c.name:32} {c.kind:15} {c.spec or ''} {c.algorithm or ''}")
+            print(f"{c.name:32} {c.kind:15} {c.spec or ''} {c.algorithm or ('auto' if c.default else '')}")
         for what, why in skipped:
             print(f"# skipped {what}: {why}")
         return None

@@ -31,7 +31,8 @@ def test_bench_smoke(tmp_path):
     lines = res.stdout.splitlines()
     header = next(l for l in lines if l.startswith("#") and "redop" in l).lstrip("#").split()
     assert header[:9] == ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"]
-    assert header[9:] == ["compressor", "algorithm", "wire_B", "ratio", "relerr"]
+    assert header[9:] == ["compressor", "algorithm", "wire_B", "ratio", "relerr", "raw", "codec",
+                          "floor_x"]
     rows = [l.split() for l in lines if l.strip() and not l.startswith("#")]
     assert len(rows) == 2 * (1 + 3 + 2)  # 2 sizes x (dense + qsgd x3 + topk x2)
     assert {int(r[0]) for r in rows} == {64 << 10, 256 << 10}  # -b 64K -e 256K -f 4

@@ -66,16 +66,19 @@ def test_ddp_step_smoke(tmp_path):
                 "--warmup", "3", "--hooks", "torch-fp16,torch-psgd-r1,qsgd8@allgather", "--no-lock",
                 "--no-progress", "--out", str(tmp_path / "ds")])
     rows = _table(out, "hook")
-    assert rows[0] == ["hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "wire_MB",
-                       "wire_ratio", "codec_ms"]
+    assert rows[0] == ["hook", "algorithm", "buckets", "tuned", "step_ms", "p90_ms", "speedup",
+                       "vs_floor", "wire_MB", "wire_ratio", "raw_ms", "codec_ms"]
     by = {r[0]: r for r in rows[1:]}
-    assert set(by) == {"dense", "torch-fp16", "torch-psgd-r1", "qsgd8@allgather", "dense(again)"}
-    assert float(by["dense"][5]) == 1.0 and float(by["dense"][7]) == 1.0
-    assert float(by["torch-fp16"][7]) == 2.0  # half the bytes of dense, exactly
+    assert set(by) == {"dense", "torch-fp16", "torch-psgd-r1", "qsgd8@allgather", "dense(again)",
+                       "no-comm"}  # the "no-comm floor" row: the model without DDP
+    assert float(by["dense"][6]) == 1.0 and float(by["dense"][9]) == 1.0
+    assert float(by["torch-fp16"][9]) == 2.0  # half the bytes of dense, exactly
+    # "no-comm floor" is two words: its vs_floor is the 9th token; dense's raw_ms the 11th
+    assert float(by["no-comm"][8]) == 1.0 and float(by["dense"][10]) > 0
     assert by["dense"][2] == by["torch-psgd-r1"][2] == "1"  # one bucket by default
     with open(tmp_path / "ds.csv") as f:
         recs = list(csv.DictReader(f))
-    wire_b = {r["hook"]: int(r["wire_bytes"]) for r in recs}
+    wire_b = {r["hook"]: int(r["wire_bytes"]) for r in recs if r["wire_bytes"]}  # floor: none
     numel = 2 * (64 * 64 + 64)
     assert wire_b["dense"] == 2 * (2 - 1) * numel * 4 // 2  # ring allreduce: 2(n-1)/n of the buffer
     assert wire_b["torch-fp16"] == wire_b["dense"] // 2

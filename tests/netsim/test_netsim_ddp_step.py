@@ -21,5 +21,6 @@ def test_ddp_step_on_two_netsim_hosts(netsim_available, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world=2" in proc.stdout and "link=1gbit" in proc.stdout  # rank 0's header, via the parent
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
-    assert [r[0] for r in rows] == ["hook", "dense", "torch-fp16", "dense(again)"]
+    # + the no-comm floor row ("no-comm floor": the model without DDP, world size 1)
+    assert [r[0] for r in rows] == ["hook", "dense", "torch-fp16", "dense(again)", "no-comm"]
     assert (tmp_path / "ns.md").read_text().count("|") > 10
