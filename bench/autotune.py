@@ -37,6 +37,40 @@ logger = logging.getLogger(__name__)
 
 COLUMNS = ["group", "hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB",
            "rounds_ms"]
+TUNING_COLUMNS = ["group", "round", "locked", "tuned", "auto_ms", "dense_ms", "best_fixed", "best_fixed_ms",
+                  "vs_dense", "vs_best_fixed"]
+# issue 12's targets for every tuning in steady state, and the decision's consistency
+MIN_VS_BEST_FIXED, MIN_VS_DENSE, MIN_SAME_DECISION = 0.95, 0.97, 0.8
+
+
+def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list) -> list[dict]:
+    """One row per tuning (= per round): what auto locked and its steady-state step against
+    dense and the best fixed compressed algorithm measured in the SAME round."""
+    out = []
+    auto_name = next(n for n in times if n.startswith("auto("))
+    for rnd, row in enumerate(autos):
+        best = min(fixed, key=lambda n: times[n][rnd]) if fixed else None
+        a, d = times[auto_name][rnd], times["dense"][rnd]
+        b = times[best][rnd] if best else float("nan")
+        out.append({"group": spec_label, "round": rnd, "locked": row["algorithm"], "tuned": row.get("tuned", ""),
+                    "auto_ms": a, "dense_ms": d, "best_fixed": best or "-", "best_fixed_ms": b,
+                    "vs_dense": d / a, "vs_best_fixed": b / a})
+    return out
+
+
+def tuning_verdict(rows: list[dict]) -> str:
+    """Against issue 12's targets: every tuning >= 0.95x the best fixed and >= 0.97x dense; the
+    same decision in >= 80% of the tunings."""
+    from collections import Counter
+
+    decisions = Counter(r["locked"] for r in rows)
+    top, n = decisions.most_common(1)[0]
+    worst_fixed = min(r["vs_best_fixed"] for r in rows)
+    worst_dense = min(r["vs_dense"] for r in rows)
+    ok = lambda c: "met" if c else "MISSED"  # noqa: E731
+    return (f"{rows[0]['group']}: locked {dict(decisions)} — same decision {n}/{len(rows)} "
+            f"({ok(n >= MIN_SAME_DECISION * len(rows))}); worst tuning {worst_fixed:.3f}x the best fixed "
+            f"({ok(worst_fixed >= MIN_VS_BEST_FIXED)}), {worst_dense:.3f}x dense ({ok(worst_dense >= MIN_VS_DENSE)})")
 
 
 def configs_for(specs) -> list:
@@ -88,7 +122,7 @@ def rank_main(rank: int, world: int, args):
         print(f"# autotune bench: model={args.model} params={numel} world={world} batch={args.batch}/rank "
               f"bucket_cap_mb={args.bucket_cap_mb} warmup={args.warmup} steps={args.steps} "
               f"threads/rank={torch.get_num_threads()} link={args.link}", flush=True)
-    rows, logs = [], {}
+    rows, logs, per_tuning, verdicts = [], {}, [], []
     auto_warmup = args.warmup
     fixed_warmup = args.start_iter + 2
     for spec in specs:
@@ -96,6 +130,7 @@ def rank_main(rank: int, world: int, args):
         times: dict[str, list] = {c.name: [] for _, c in group}
         p90s: dict[str, list] = {c.name: [] for _, c in group}
         last: dict[str, dict] = {}
+        autos: list[dict] = []
         for rnd in range(args.rounds):
             # ABBA: every other round runs the group backwards, so a drift of the machine's
             # load during the group cancels out of the ratios; dense and auto stay neighbours
@@ -107,10 +142,15 @@ def rank_main(rank: int, world: int, args):
                 p90s[cfg.name].append(row["p90_ms"])
                 last[cfg.name] = row
                 if cfg.algorithm == "auto":
+                    autos.append(row)
                     logs.setdefault(cfg.name, []).extend([f"(round {rnd})"] + cap.records)
                 if rank == 0:
                     print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms",
                           flush=True)
+        fixed = [c.name for _, c in group if c.kind != "dense" and c.algorithm != "auto"]
+        tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed)
+        per_tuning += tr
+        verdicts.append(tuning_verdict(tr))
         for _, cfg in group:
             row = dict(last[cfg.name], group=hooks.short_label(spec, None))
             row["step_ms"] = statistics.median(times[cfg.name])
@@ -134,6 +174,8 @@ def rank_main(rank: int, world: int, args):
     summary = [f"{r['hook']}: {r['speedup']:.2f}x of dense, {r['vs_best_fixed']:.2f}x of the best fixed "
                f"choice ({r['best_fixed']})" for r in rows if "best_fixed" in r]
     print("\n".join(summary), flush=True)
+    print(tables.format_table(per_tuning, TUNING_COLUMNS), flush=True)
+    print("\n".join(verdicts), flush=True)
     text = []
     for name, recs in logs.items():
         text.append(f"## {name}")
@@ -142,6 +184,10 @@ def rank_main(rank: int, world: int, args):
     if args.out:
         md = [f"# Autotune bench: {args.model}, {world} ranks, link {args.link}", "", "```", args.command, "```", "",
               f"Machine: {machine.machine_facts()}.", "", tables.format_table(rows, COLUMNS, markdown=True), "", *summary, "",
+              "Per tuning (each round registers afresh and tunes again; ratios against dense and the "
+              "fastest fixed compressed algorithm measured in the same round):", "",
+              tables.format_table(per_tuning, TUNING_COLUMNS, markdown=True), "",
+              *[f"- {v}" for v in verdicts], "",
               "```", *text, "```", ""]
         tables.write_text(args.out + ".md", "\n".join(md))
     return rows

@@ -97,8 +97,12 @@ class Autotuner:
         min_rounds: rounds before an early decision (>= 1).
         watch_every: steps between watchdog checks after the lock (0: no watchdog).
         drift: relative change of the locked plan's step time that triggers a new tuning.
+        tie: winners whose medians are within this fraction of the fastest one are a tie,
+            decided by ``preference``.
 
     Attributes:
+        preference: ``None`` (the trial order) or ``fn(rule) -> sort key``: which of tied
+            winners to lock (must give the same key on every rank).
         timing: ``None``, or ``fn(rule, seconds) -> seconds`` applied to each locally measured
             step time before the agreement (tests inject timings with it).
         rule: the rule in force this step (a trial's, the watchdog's runner-up, or the lock).
@@ -111,7 +115,8 @@ class Autotuner:
 
     def __init__(self, steps_per_trial: int = 2, trials: int = 3, prefer_dense: float = 0.03,
                  candidates: Sequence[str] | None = None, *, max_steps: int = 40,
-                 min_rounds: int = 4, watch_every: int = 200, drift: float = 0.25):
+                 min_rounds: int = 4, watch_every: int = 200, drift: float = 0.25,
+                 tie: float = 0.03):
         if isinstance(steps_per_trial, bool) or not isinstance(steps_per_trial, int):
             raise TypeError(f"autotune_steps must be an int, got {steps_per_trial!r}")
         if steps_per_trial < 2:
@@ -129,6 +134,10 @@ class Autotuner:
         self.watch_every = _int_option("autotune watch_every", watch_every, 0)
         if not isinstance(drift, (int, float)) or not drift > 0:
             raise ValueError(f"autotune drift must be > 0, got {drift!r}")
+        if not isinstance(tie, (int, float)) or not 0 <= tie < 1:
+            raise ValueError(f"autotune tie must be in [0, 1), got {tie!r}")
+        self.tie = float(tie)
+        self.preference: Callable[[str], object] | None = None
         self.steps = steps_per_trial
         self.n_trials = trials
         self.prefer_dense = float(prefer_dense)
@@ -218,12 +227,15 @@ class Autotuner:
                 undecided.append(r)
         winners = [r for r in self._active if r != DENSE and dense and self._samples[r]
                    and self._wins(self._samples[r], dense)]
-        # between winners the median decides; they stay in play while their ranges overlap
+        # between winners _pick decides; they stay in play while their ranges overlap or while
+        # they are tied with the pick
         if winners:
-            best = min(winners, key=lambda r: statistics.median(self._samples[r]))
+            best, ties = self._pick(winners)
             bmax = max(self._samples[best])
             undecided += [r for r in winners if r != best and min(self._samples[r]) <= bmax]
-            keep = [best] + undecided
+            keep = [best] + undecided + ties
+            if rounds < self.min_rounds:
+                keep += winners  # a few samples each cannot separate near plans yet
         else:
             keep = undecided
         self._active = [DENSE] + [r for r in self._active if r in keep]
@@ -246,12 +258,35 @@ class Autotuner:
         se = math.sqrt(statistics.variance(s) / len(s) + statistics.variance(dense) / len(dense))
         return statistics.fmean(dense) - statistics.fmean(s) > 3 * se
 
+    def _pick(self, winners: list[str]) -> tuple[str, list[str]]:
+        """``(pick, ties)``: the fastest winner (mean step), unless others are tied with it —
+        their mean within ``tie`` of it, or within ``2 * tie`` and not 3 standard errors away
+        (the measured noise); among tied winners the preferred one."""
+        mean = {r: statistics.fmean(self._samples[r]) for r in winners}
+        fastest = min(winners, key=lambda r: (mean[r], self.trials.index(r)))
+        f = mean[fastest]
+
+        def tied(r):
+            gap = mean[r] - f
+            if gap <= self.tie * f:
+                return True
+            a, b = self._samples[r], self._samples[fastest]
+            if gap > 2 * self.tie * f:
+                return False
+            if len(a) < 2 or len(b) < 2:
+                return True  # no spread measured yet: within 2 * tie stays a tie
+            return gap < 3 * math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+
+        ties = [r for r in winners if tied(r)]
+        if len(ties) == 1:
+            return fastest, ties
+        key = self.preference if self.preference is not None else self.trials.index
+        return min(ties, key=lambda r: (key(r), self.trials.index(r))), ties
+
     def _lock(self, winners) -> None:
         self.table = [(r, statistics.median(self._samples[r]) if self._samples[r] else math.nan,
                        len(self._samples[r])) for r in self.trials]
-        decision = DENSE
-        if winners:
-            decision = min(winners, key=lambda r: statistics.median(self._samples[r]))
+        decision = self._pick(winners)[0] if winners else DENSE
         self.decision = self.rule = decision
         self.locked = True
         score = dict((r, s) for r, s, _ in self.table)[decision]

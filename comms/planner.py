@@ -106,6 +106,7 @@ class Planner:
             raise TypeError(f"autotune must be True or False, got {autotune!r}")
         tuner = Autotuner(autotune_steps, autotune_trials, prefer_dense)  # validates the options
         self.tuner = tuner if autotune and probe else None
+        tuner.preference = self._preference  # near-ties between plans go to the simpler one
         self.compressor = compressor
         self.topology = topology
         self.node = node
@@ -307,6 +308,14 @@ class Planner:
                 best, best_t = name, t
         row.chosen = best
         return row
+
+    def _preference(self, rule: str) -> tuple:
+        """Sort key of a rule among tied winners: its algorithm per bucket, largest bucket first,
+        in registry order (allreduce, allgather, two_phase, shared_scale, then hierarchical) —
+        the same on every rank, and the same from one tuning to the next."""
+        order = {name: i for i, name in enumerate(ALGORITHMS)}
+        rows = sorted(self._rows.values(), key=lambda r: (-r.numel, r.bucket))
+        return tuple(order.get(self._apply(rule, r), -1) for r in rows)
 
     def _locked_rule(self) -> str:
         t = self.tuner

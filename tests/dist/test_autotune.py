@@ -132,17 +132,17 @@ def test_choose_rule_and_schedule_without_processes():
     assert choose_rule([("dense", 0.004, 3), ("a", 0.0036, 3)], 0.03) == "dense"
     assert choose_rule([("dense", 0.004, 3), ("a", 0.0036, 3)], 0.03, min_gain=1e-4) == "a"
     # schedule: interleaved rounds of 3 steps per rule from step 4; the first step of each
-    # block is not counted; y (slower than x, ranges apart) leaves after round 1
+    # block is not counted; y (slower than x, ranges apart) stays until min_rounds (4)
     t = Autotuner(steps_per_trial=3, trials=2)
     per_step = {"dense": 1.0, "x": 0.7, "y": 0.9}
     clock, rules, agreed = 0.0, [], []
-    for step in range(4, 40):
+    for step in range(4, 48):
         rules.append(t.begin_step(step, clock, lambda: ["x", "y", "z"], lambda v: agreed.append(v) or v))
         first = len(rules) == 1 or rules[-1] != rules[-2] or (len(rules) > 3 and rules[-4:-1] == [rules[-1]] * 3)
         clock += per_step[rules[-1]] + (5.0 if first else 0.0)  # switching costs are not counted
     assert rules[:9] == ["dense"] * 3 + ["x"] * 3 + ["y"] * 3
-    assert rules[9:27] == (["dense"] * 3 + ["x"] * 3) * 3 and rules[27:] == ["x"] * 9
-    assert [len(a) for a in agreed] == [9, 6, 6, 6]
+    assert rules[9:36] == (["dense"] * 3 + ["x"] * 3 + ["y"] * 3) * 3 and rules[36:] == ["x"] * 8
+    assert [len(a) for a in agreed] == [9, 9, 9, 9]
     assert [(r, round(s, 6)) for r, s, _ in t.table] == [("dense", 1.0), ("x", 0.7), ("y", 0.9)]
     sd = t.state_dict()
     t2 = Autotuner()
@@ -221,11 +221,11 @@ def _first(rank, world, ckpt):
     fake = {"dense": 1.0, "allgather": 0.5, "two_phase": 0.8}
     model, state, opt = _ddp("topk:density=0.1", candidates=["allgather", "two_phase"],
                              timing=lambda rule, s: fake[rule])
-    for step in range(24):  # locked at step 19 (4 interleaved rounds)
+    for step in range(30):  # locked after 4 interleaved rounds of 3 rules (two_phase stays to round 4)
         _step(rank, model, opt, step)
     torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "comm": state.state_dict()},
                os.path.join(ckpt, f"rank{rank}.pt"))
-    for step in range(24, 28):
+    for step in range(30, 34):
         _step(rank, model, opt, step)
     return {"params": flat_params(model.module), "rule": state.planner.tuner.rule}
 
@@ -236,7 +236,7 @@ def _resumed(rank, world, ckpt):
     model.module.load_state_dict(ck["model"])
     opt.load_state_dict(ck["opt"])
     state.load_state_dict(ck["comm"])
-    for step in range(24, 28):
+    for step in range(30, 34):
         _step(rank, model, opt, step)
     t = state.planner.tuner
     return {"params": flat_params(model.module), "rule": t.rule, "locked": t.locked,
