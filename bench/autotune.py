@@ -45,11 +45,13 @@ MIN_VS_BEST_FIXED, MIN_VS_DENSE, MIN_SAME_DECISION = 0.95, 0.97, 0.8
 
 def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list) -> list[dict]:
     """One row per tuning (= per round): what auto locked and its steady-state step against
-    dense and the best fixed compressed algorithm measured in the SAME round."""
+    dense and the best fixed compressed algorithm, both measured in the SAME round. The best
+    fixed algorithm is the one with the lowest median over all rounds (the minimum of several
+    noisy fixed rows within one round would be biased low)."""
     out = []
     auto_name = next(n for n in times if n.startswith("auto("))
+    best = min(fixed, key=lambda n: statistics.median(times[n])) if fixed else None
     for rnd, row in enumerate(autos):
-        best = min(fixed, key=lambda n: times[n][rnd]) if fixed else None
         a, d = times[auto_name][rnd], times["dense"][rnd]
         b = times[best][rnd] if best else float("nan")
         out.append({"group": spec_label, "round": rnd, "locked": row["algorithm"], "tuned": row.get("tuned", ""),
@@ -145,7 +147,10 @@ def rank_main(rank: int, world: int, args):
                     autos.append(row)
                     logs.setdefault(cfg.name, []).extend([f"(round {rnd})"] + cap.records)
                 if rank == 0:
-                    print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms",
+                    locked = f" (locked {row['algorithm']} after {row.get('tuned')} steps)" \
+                        if cfg.algorithm == "auto" else ""
+                    print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms"
+                          f"{locked}",
                           flush=True)
         fixed = [c.name for _, c in group if c.kind != "dense" and c.algorithm != "auto"]
         tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed)
@@ -157,9 +162,20 @@ def rank_main(rank: int, world: int, args):
             row["p90_ms"] = max(p90s[cfg.name])
             row["rounds_ms"] = "/".join(f"{t:.0f}" for t in times[cfg.name])
             rows.append(row)
+        if rank == 0:
+            print(verdicts[-1], flush=True)
+        _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs, partial=True)
     args.warmup = auto_warmup
+    return _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs)
+
+
+def _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs, partial=False):
+    """Ratios per group, the tables and OUT.md (also after each group: a run cut short by its
+    timeout keeps what it measured)."""
     for spec in specs:
         group = [(r, c) for r, (s, c) in zip(rows, configs) if s == spec]  # rows follow configs
+        if not group:
+            continue
         dense = next(r for r, c in group if c.kind == "dense")
         best = min((r for r, c in group if c.algorithm != "auto"), key=lambda r: r["step_ms"])
         for r, c in group:
@@ -169,28 +185,47 @@ def rank_main(rank: int, world: int, args):
                 r["best_fixed"] = best["hook"]
     if rank != 0:
         return None
+    if partial:
+        if args.out:
+            _write_md(args, world, rows, per_tuning, verdicts, logs, partial=True)
+        return rows
     table = tables.format_table(rows, COLUMNS)
     print(table, flush=True)
-    summary = [f"{r['hook']}: {r['speedup']:.2f}x of dense, {r['vs_best_fixed']:.2f}x of the best fixed "
-               f"choice ({r['best_fixed']})" for r in rows if "best_fixed" in r]
+    summary = _summary(rows)
     print("\n".join(summary), flush=True)
     print(tables.format_table(per_tuning, TUNING_COLUMNS), flush=True)
     print("\n".join(verdicts), flush=True)
+    print("\n".join(_log_text(logs)), flush=True)
+    if args.out:
+        _write_md(args, world, rows, per_tuning, verdicts, logs)
+    return rows
+
+
+def _summary(rows) -> list[str]:
+    return [f"{r['hook']}: {r['speedup']:.2f}x of dense, {r['vs_best_fixed']:.2f}x of the best fixed "
+            f"choice ({r['best_fixed']})" for r in rows if "best_fixed" in r]
+
+
+def _log_text(logs) -> list[str]:
     text = []
     for name, recs in logs.items():
         text.append(f"## {name}")
         text += recs
-    print("\n".join(text), flush=True)
-    if args.out:
-        md = [f"# Autotune bench: {args.model}, {world} ranks, link {args.link}", "", "```", args.command, "```", "",
-              f"Machine: {machine.machine_facts()}.", "", tables.format_table(rows, COLUMNS, markdown=True), "", *summary, "",
-              "Per tuning (each round registers afresh and tunes again; ratios against dense and the "
-              "fastest fixed compressed algorithm measured in the same round):", "",
-              tables.format_table(per_tuning, TUNING_COLUMNS, markdown=True), "",
-              *[f"- {v}" for v in verdicts], "",
-              "```", *text, "```", ""]
-        tables.write_text(args.out + ".md", "\n".join(md))
-    return rows
+    return text
+
+
+def _write_md(args, world, rows, per_tuning, verdicts, logs, partial=False) -> None:
+    md = [f"# Autotune bench: {args.model}, {world} ranks, link {args.link}"
+          + (" (PARTIAL: the groups measured so far)" if partial else ""), "", "```", args.command, "```", "",
+          f"Machine: {machine.machine_facts()}.", "", tables.format_table(rows, COLUMNS, markdown=True), "",
+          *_summary(rows), "",
+          "Per tuning (each round registers afresh and tunes again; ratios against dense and the "
+          "fixed compressed algorithm with the lowest median over the rounds, both measured in the "
+          "same round):", "",
+          tables.format_table(per_tuning, TUNING_COLUMNS, markdown=True), "",
+          *[f"- {v}" for v in verdicts], "",
+          "```", *_log_text(logs), "```", ""]
+    tables.write_text(args.out + ".md", "\n".join(md))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -300,19 +300,24 @@ def steps_for(task, args) -> int:
     return args.steps if args.steps is not None else task.default_steps
 
 
-def train(task, cfg, args, rank: int, world: int) -> dict:
+def train(task, cfg, args, rank: int, world: int, *, target: float | None = None,
+          budget_s: float | None = None, max_steps: int | None = None) -> dict:
     """Train ``task`` with hook ``cfg``. Returns ``{"curve": [(step, eval loss)], "times": [s],
     ...}``: ``times[i]`` is the training wall clock (seconds, max over ranks) when ``curve[i]``
     was evaluated: registering the hook plus every step (batch, forward, backward, optimizer;
     an auto hook's probing and tuning happen inside steps, so they count); evaluations are
-    off the clock (a barrier after each restarts the ranks together)."""
+    off the clock (a barrier after each restarts the ranks together).
+
+    With ``budget_s`` (time to quality): train up to ``max_steps`` steps, and stop at the first
+    evaluation whose smoothed loss is <= ``target`` (``"stop": "reached"``) or once the clock
+    (max over ranks, agreed at each evaluation) has reached ``budget_s`` (``"budget"``)."""
     import time
 
     import torch.distributed as dist
 
     from harness import wire
 
-    steps = steps_for(task, args)
+    steps = max_steps if budget_s is not None else steps_for(task, args)
     model = task.model()
     cap = getattr(task, "bucket_cap_mb", None) or args.bucket_cap_mb
     if cfg.kind == "torch-powersgd":
@@ -327,6 +332,7 @@ def train(task, cfg, args, rank: int, world: int) -> dict:
                                 **_hook_options(args))
     clock = time.perf_counter() - t0
     stamps, step_s = [clock], []  # stamps[k]: the clock after step k (k = 0: registration)
+    stop = None
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
         x, y = task.batch_at(step - 1, rank, world)
@@ -340,7 +346,18 @@ def train(task, cfg, args, rank: int, world: int) -> dict:
         step_s.append(dt)
         if step % args.eval_every == 0 or step == steps:
             curve.append((step, task.evaluate(model)))
+            if budget_s is not None:  # one verdict on every rank: the slowest clock, the worst loss
+                agreed = torch.tensor([clock, smoothed(curve, len(curve) - 1, args.tail)],
+                                      dtype=torch.float64)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                if target is not None and agreed[1].item() <= target:
+                    stop = "reached"
+                elif agreed[0].item() >= budget_s:
+                    stop = "budget"
+                if stop:
+                    break
             dist.barrier()
+    steps = len(step_s)
     t = torch.tensor(stamps + step_s, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # as slow as the slowest rank
     stamps, step_s = t[:steps + 1].tolist(), sorted(t[steps + 1:].tolist())
@@ -352,7 +369,7 @@ def train(task, cfg, args, rank: int, world: int) -> dict:
            "wire_bytes": wire.config_wire_bytes(cfg, state, params, world),
            "algorithm": wire.config_algorithm(cfg, state, wire.dense_wire_bytes(numel, world)),
            "tuned": (f"{tuner.tuning_steps}" + ("" if tuner.locked else " (not locked)"))
-           if tuner is not None else None}
+           if tuner is not None else None, "stop": stop or "steps"}
     del state
     return run
 
@@ -411,7 +428,7 @@ def rank_main(rank: int, world: int, args):
 # -- time to quality (issue 17's must-show, the headline measure) ----------------------------
 # the run's default hooks: dense, torch's two, every default(...) row, two labelled pinned rows
 TTQ_HOOKS = "torch-psgd-r1,torch-fp16,default(,topk1%+ef@allgather,sign+ef@allgather"
-TTQ_COLUMNS = ["hook", "path", "algorithm", "tuned", "steps", "wall_s", "step_ms", "loss_ratio",
+TTQ_COLUMNS = ["hook", "path", "algorithm", "tuned", "steps", "stop", "wall_s", "step_ms", "loss_ratio",
                "ttq_step", "ttq_s", "speedup", "vs_psgd_r1", "wire_MB", "raw_ms"]
 PSGD = "torch-psgd-r1"
 
@@ -466,9 +483,17 @@ def ttq_main(rank: int, world: int, args, configs, skipped):
     # warm the links once (connections, buffers) so that the first hook pays no one-off cost
     dist.all_reduce(torch.zeros(sum(p.numel() for p in task.model().parameters())))
     runs = {}
+    target = budget = None
+    cap = int(math.ceil(steps_for(task, args) * args.max_steps_factor))
     for cfg in tables.progress(configs, total=len(configs), desc=task.name,
                                 enable=rank == 0 and args.progress):
-        runs[cfg.name] = run = train(task, cfg, args, rank, world)
+        if cfg.kind == "dense" or budget is None:
+            run = train(task, cfg, args, rank, world)
+        else:  # every other hook: until it reaches dense's final loss, or for dense's wall time
+            run = train(task, cfg, args, rank, world, target=target, budget_s=budget, max_steps=cap)
+        runs[cfg.name] = run
+        if cfg.kind == "dense":
+            target, budget = _final(run["curve"], args.tail), run["wall_s"] * args.budget
         run["path"] = _path_of(cfg)
         run["raw_ms"] = raw_transfer_ms(run["wire_bytes"], world)
         if rank == 0:
@@ -489,7 +514,8 @@ def ttq_main(rank: int, world: int, args, configs, skipped):
     for name, run in runs.items():
         step, secs = time_to_quality(run, dense_final, args.tail)
         rows.append({"hook": name, "path": run["path"], "algorithm": run["algorithm"],
-                     "tuned": run["tuned"], "steps": run["steps"], "wall_s": run["wall_s"],
+                     "tuned": run["tuned"], "steps": run["steps"], "stop": run["stop"],
+                     "wall_s": run["wall_s"],
                      "step_ms": run["step_ms"],
                      "final_loss": _final(run["curve"], args.tail),
                      "loss_ratio": _final(run["curve"], args.tail) / dense_final,
@@ -527,7 +553,10 @@ def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_
           f"Load: before `{load_before}`; after `{load_after}`.", "",
           f"Task `{task.name}`: {' '.join((task.__doc__ or '').split())}"
           + (f" Here: width {task.width}, depth {task.depth}." if getattr(task, "width", None) else "")
-          + f" {steps} steps per hook, the same "
+          + f" Dense trains {steps} steps; every other hook trains until its smoothed loss reaches "
+          f"dense's final loss (`stop` = reached) or for {args.budget:g}x dense's wall time (`stop` = "
+          f"budget; at most {args.max_steps_factor:g}x dense's steps, `stop` = steps): a hook that "
+          f"stops on the budget is slower to dense's quality than dense. The same "
           f"initial weights and data order for every hook; batch {task.batch} per rank, lr {task.lr}. "
           f"Loss evaluated every {args.eval_every} steps; smoothed loss = mean of the last "
           f"{args.tail} evaluations; dense's final loss = its smoothed loss at the end "
@@ -539,7 +568,8 @@ def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_
           "Columns: `path` — `default`: `comms.register(ddp, spec, optimizer=opt)` with every "
           "other default (algorithm auto; out of the box); `pinned`: a hand-picked algorithm and "
           "setting (e.g. `topk:density=0.01,exact=false` at allgather), not the default; `torch`: "
-          "PyTorch's own hooks (optimizer keeps its momentum). `steps`/`wall_s`: the whole run; "
+          "PyTorch's own hooks (optimizer keeps its momentum). `steps`/`wall_s`: the whole run "
+          "(up to its stop); "
           "`step_ms`: median step; `loss_ratio` = final loss / dense's final; `ttq_step`/`ttq_s`: "
           "the first evaluation whose smoothed loss is <= dense's final loss (`not reached` if "
           "none); `speedup` = dense's ttq_s / the row's; `vs_psgd_r1` = torch PowerSGD r1's "
@@ -650,6 +680,12 @@ def parser() -> argparse.ArgumentParser:
                         "per hook the time to reach dense's final loss, with the floors of the run")
     p.add_argument("--width", type=int, default=None, help="digits25m: MLP width (2048)")
     p.add_argument("--depth", type=int, default=None, help="digits25m: MLP layers (6)")
+    p.add_argument("--budget", type=float, default=1.0,
+                   help="time-to-quality: every hook after dense trains until its smoothed loss "
+                        "reaches dense's final loss, or for BUDGET x dense's wall time (default 1: "
+                        "a hook that cannot beat dense's clock stops there)")
+    p.add_argument("--max-steps-factor", type=float, default=3.0,
+                   help="time-to-quality: at most this many times dense's steps per hook")
     p.add_argument("--floor-steps", type=int, default=10,
                    help="time-to-quality: measured steps of the no-communication floor")
     p.add_argument("--pairing", choices=("optimizer", "none"), default="optimizer",

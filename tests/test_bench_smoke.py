@@ -153,7 +153,7 @@ def test_time_to_quality_smoke(tmp_path):
                 "--floor-steps", "2", "--hooks", "torch-psgd-r1,qsgd8@allgather", "--no-lock",
                 "--no-progress", "--out", str(tmp_path / "ttq")])
     header = _table(out, "hook")[0]
-    assert header == ["hook", "path", "algorithm", "tuned", "steps", "wall_s", "step_ms",
+    assert header == ["hook", "path", "algorithm", "tuned", "steps", "stop", "wall_s", "step_ms",
                       "loss_ratio", "ttq_step", "ttq_s", "speedup", "vs_psgd_r1", "wire_MB",
                       "raw_ms"]
     with open(tmp_path / "ttq.csv") as f:
@@ -165,6 +165,17 @@ def test_time_to_quality_smoke(tmp_path):
     assert float(dense["ttq_s"]) == float(dense["wall_s"]) > 0
     assert float(dense["speedup"]) == 1.0 and float(dense["loss_ratio"]) == 1.0
     assert by["torch-psgd-r1"]["path"] == "torch" and by["qsgd8@allgather"]["path"] == "pinned"
+    # after dense, a hook trains until it reaches dense's final loss, or for dense's wall time
+    # (at most 3x dense's steps), and says which stopped it
+    for name in ("torch-psgd-r1", "qsgd8@allgather"):
+        r = by[name]
+        assert r["stop"] in ("reached", "budget", "steps") and 1 <= int(r["steps"]) <= 18, r
+        if r["stop"] == "reached":
+            assert r["ttq_step"] == r["steps"] and float(r["ttq_s"]) == float(r["wall_s"]), r
+        elif r["stop"] == "budget":
+            assert float(r["wall_s"]) >= float(dense["wall_s"]) and r["ttq_step"] == "not reached", r
+        else:
+            assert int(r["steps"]) == 18 and r["ttq_step"] == "not reached", r
     assert float(by["dense"]["raw_ms"]) > 0 and float(by["no-comm floor"]["step_ms"]) > 0
     with open(tmp_path / "ttq_curves.csv") as f:
         curve = [r for r in csv.DictReader(f) if r["hook"] == "dense"]
