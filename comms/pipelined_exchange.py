@@ -82,6 +82,11 @@ class PipelinedExchange:
         self._seq = 0
         # outputs reused once unreferenced: a fresh world-sized output page-faults every call
         self._pool = PayloadPool(per_key=8)
+        # the worker holds the queue and the group, never the exchange itself: once the
+        # exchange is unreachable (its communicator and hook state dropped) the finalizer ends
+        # the worker and the pool is freed. (A worker holding `self` leaked every exchange's
+        # pool: 12 GB after ~150 registrations in one process in bench/autotune.py.)
+        weakref.finalize(self, self._jobs.put, _STOP)
 
     def all_gather(self, t: torch.Tensor) -> torch.futures.Future:
         """Every rank's ``t`` concatenated in rank order (``world * numel`` elements)."""
@@ -113,39 +118,12 @@ class PipelinedExchange:
             seq = self._seq
             self._seq += 1
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="commpress-exchange",
-                                                daemon=True)
+                self._thread = threading.Thread(target=_serve, args=(self._jobs, group_of(self)),
+                                                name="commpress-exchange", daemon=True)
                 self._thread.start()
                 _LIVE.add(self)
         self._jobs.put((seq, pairs, out, fut))
         return fut
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            seq, pairs, out, fut = job
-            try:
-                self._exchange(seq, pairs)
-            except Exception as exc:  # noqa: BLE001 - delivered to the caller's future
-                fut.set_exception(exc)
-                continue
-            fut.set_result(out)
-
-    def _exchange(self, seq: int, pairs) -> None:
-        length = max((s.numel() for _, s, _ in pairs), default=0)
-        group = self.group
-        for c, a in enumerate(range(0, length, CHUNK_BYTES)):
-            b = min(length, a + CHUNK_BYTES)
-            tag = _TAG_BASE | (seq & 0xFFFF) << 8 | (c & 0xFF)  # window 1: no reuse in flight
-            works = []
-            for peer, send, recv in pairs:
-                g = self._global[peer]
-                works.append(dist.isend(send[a:b], g, group=group, tag=tag))
-                works.append(dist.irecv(recv[a:b], g, group=group, tag=tag))
-            for w in works:
-                w.wait()
 
     def stop(self) -> None:
         """End the worker after the exchanges already queued (at interpreter exit)."""
@@ -156,6 +134,42 @@ class PipelinedExchange:
 
     def __getstate__(self):
         raise TypeError("PipelinedExchange holds a process group and a thread; it does not pickle")
+
+
+def group_of(ex: PipelinedExchange) -> tuple:
+    """What the worker needs of an exchange: its group and the group's global ranks."""
+    return ex.group, list(ex._global)
+
+
+def _serve(jobs: queue.SimpleQueue, where: tuple) -> None:
+    """The worker: exchanges in issue order until :data:`_STOP`."""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        seq, pairs, out, fut = job
+        try:
+            _exchange(where, seq, pairs)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller's future
+            fut.set_exception(exc)
+            continue
+        fut.set_result(out)
+        del job, pairs, out, fut  # do not hold the last output while waiting for the next job
+
+
+def _exchange(where: tuple, seq: int, pairs) -> None:
+    group, global_ranks = where
+    length = max((s.numel() for _, s, _ in pairs), default=0)
+    for c, a in enumerate(range(0, length, CHUNK_BYTES)):
+        b = min(length, a + CHUNK_BYTES)
+        tag = _TAG_BASE | (seq & 0xFFFF) << 8 | (c & 0xFF)  # window 1: no reuse in flight
+        works = []
+        for peer, send, recv in pairs:
+            g = global_ranks[peer]
+            works.append(dist.isend(send[a:b], g, group=group, tag=tag))
+            works.append(dist.irecv(recv[a:b], g, group=group, tag=tag))
+        for w in works:
+            w.wait()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
