@@ -97,8 +97,8 @@ class Autotuner:
         min_rounds: rounds before an early decision (>= 1).
         watch_every: steps between watchdog checks after the lock (0: no watchdog).
         drift: relative change of the locked plan's step time that triggers a new tuning.
-        tie: winners whose medians are within this fraction of the fastest one are a tie,
-            decided by ``preference``.
+        tie: winners whose mean step is within this fraction of the fastest one's (or within
+            twice it and inside 3 standard errors) are a tie, decided by ``preference``.
 
     Attributes:
         preference: ``None`` (the trial order) or ``fn(rule) -> sort key``: which of tied

@@ -118,7 +118,7 @@ class PipelinedExchange:
             seq = self._seq
             self._seq += 1
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=_serve, args=(self._jobs, group_of(self)),
+                self._thread = threading.Thread(target=_serve, args=(self._jobs, (self.group, list(self._global))),
                                                 name="commpress-exchange", daemon=True)
                 self._thread.start()
                 _LIVE.add(self)
@@ -134,11 +134,6 @@ class PipelinedExchange:
 
     def __getstate__(self):
         raise TypeError("PipelinedExchange holds a process group and a thread; it does not pickle")
-
-
-def group_of(ex: PipelinedExchange) -> tuple:
-    """What the worker needs of an exchange: its group and the group's global ranks."""
-    return ex.group, list(ex._global)
 
 
 def _serve(jobs: queue.SimpleQueue, where: tuple) -> None:
