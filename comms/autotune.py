@@ -65,7 +65,7 @@ from typing import Callable, Sequence
 
 from .algorithms import DENSE
 
-__all__ = ["Autotuner", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S"]
+__all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S", "MAX_STEP_SECONDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,29 @@ def _int_option(name: str, value, low: int) -> int:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value!r}")
     return value
+
+
+# no step of any training lasts this long: an agreed value beyond it is not a timing
+MAX_STEP_SECONDS = 1e6
+
+
+def check_step_seconds(values: list[float], what: str) -> list[float]:
+    """``values`` (agreed step seconds, NaN = no sample) if each is NaN or in
+    ``[0, MAX_STEP_SECONDS)``; else raise.
+
+    Once a peer has died, gloo can hand a collective back with garbage instead of an error;
+    decided on, garbage timings fail deep in the rules (``statistics`` overflows on 1e300)
+    with a message that names nothing.
+
+    Raises:
+        RuntimeError: ``"<what> returned ... : a peer died or disconnected ..."``.
+    """
+    bad = [v for v in values if not math.isnan(v) and not 0.0 <= v < MAX_STEP_SECONDS]
+    if bad:
+        raise RuntimeError(f"{what} returned {bad[0]!r} where step seconds belong: a peer died or "
+                           "disconnected (gloo can hand back garbage instead of an error); this "
+                           "step's results are discarded")
+    return values
 
 
 class Autotuner:

@@ -143,7 +143,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
     try:
         fut = alg(comm, compressor, x, ctx, state.store(index))
-    except (RuntimeError, IndexError) as exc:
+    except (RuntimeError, IndexError, OverflowError) as exc:
         # an intermediate round (waited in this thread) failed, or what it handed back does not
         # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
         # here it would reach backward() bare ("index out of range in self")

@@ -46,7 +46,7 @@ import torch
 from compressors import Compressor
 
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
-from .autotune import MODEL, Autotuner
+from .autotune import MODEL, Autotuner, check_step_seconds
 from .communicator import Communicator, allreduce_max
 from .cost_model import CostModel
 from .errors import where
@@ -180,10 +180,12 @@ class Planner:
             self._logged = False  # log the plan again under the locked rule
 
     def _agree(self, values: list[float]) -> list[float]:
+        """The element-wise MAX over ranks of the tuner's step seconds, checked (collective)."""
         # issued in the hook's call for bucket 0 (errors name it like every per-bucket collective)
         numel, dtype = getattr(self, "_bucket0", (0, torch.float32))
         what = where(self.comm, "autotune timing MAX-allgather", 0, numel, dtype, getattr(self, "_step", -1))
-        return allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64), what).tolist()
+        agreed = allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64), what).tolist()
+        return check_step_seconds(agreed, what)
 
     def _propose(self, keys) -> list[str]:
         """Compressed rules, best predicted first, distinct on the given buckets."""

@@ -30,7 +30,6 @@ tuning``, ``auto: tuning``, ``auto: locked <rule>``) so each cell says what it m
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -177,7 +176,7 @@ def _body(rank, world, case, how, seed, stamp_dir, pg_timeout):
             nn.functional.cross_entropy(model(x), y).backward()
         except Exception as exc:  # noqa: BLE001 - the expected outcome on the survivors
             return {"t": time.time(), "step": step, "type": type(exc).__name__, "msg": str(exc),
-                    "armed": step >= case.at[0]}
+                    "armed": step >= case.at[0], "tb": traceback.format_exc()}
         if handle is not None:
             handle.remove()
         opt.step()
@@ -218,19 +217,13 @@ def _spy(pid):
         return f"py-spy failed: {exc}"
 
 
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "comms"]
-
-
 def _context():
-    """A forkserver that imported torch (and what DDP's constructor imports lazily) once: each
-    case forks its ranks from it instead of importing torch three times on a 2-core machine
-    (set-up is not measured, but it was most of a case's wall time)."""
-    try:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
-        return ctx
-    except ValueError:  # no forkserver on this platform
-        return mp.get_context("spawn")
+    """Ranks fork from :func:`comms.launch.rank_context`'s forkserver (torch imported once)
+    instead of importing torch three times per case on a 2-core machine (set-up is not
+    measured, but it was most of a case's wall time)."""
+    from comms.launch import rank_context
+
+    return rank_context()
 
 
 def run_one(case: Case, how: str, *, pg_timeout: float = 5.0, slack: float = 10.0,

@@ -150,3 +150,34 @@ def test_plan_reports_model_error_per_tried_rule():
     assert errors["allgather"] == (pytest.approx(-0.006), pytest.approx(-0.003))
     assert errors["model"] == (pytest.approx(-0.004), pytest.approx(-0.001))  # the model's picks
     assert "allgather predicted -6.0 measured -3.0" in str(Plan(rows, None, None, t))
+
+
+def test_garbage_timings_raise_a_named_error_before_any_rule_sees_them():
+    """After a peer dies gloo may hand the timing MAX-allgather back with garbage; the rules'
+    ``statistics`` then overflowed ("integer division result too large for a float")."""
+    from comms.autotune import MAX_STEP_SECONDS, check_step_seconds
+
+    ok = [0.5, math.nan, 0.0, MAX_STEP_SECONDS * 0.999]
+    assert check_step_seconds(ok, "commpress: t") is ok
+    for bad in (1e300, -0.25, math.inf, MAX_STEP_SECONDS):
+        with pytest.raises(RuntimeError, match=r"^commpress: t returned .* a peer died"):
+            check_step_seconds([0.5, bad], "commpress: t")
+
+
+def test_planner_agreement_checks_what_the_collective_returned():
+    import torch
+
+    from comms.planner import Planner
+
+    class GarbageComm:  # an allgather that "completes" with what a dead peer's pair left
+        rank, world_size, timeout, backend = 0, 2, 5.0, "gloo"
+
+        def all_gather(self, t):
+            fut = torch.futures.Future()
+            fut.set_result(torch.cat([t, torch.full_like(t, 3e305)]))
+            return fut
+
+    planner = Planner.__new__(Planner)
+    planner.comm = GarbageComm()
+    with pytest.raises(RuntimeError, match="autotune timing MAX-allgather .* returned 3e"):
+        planner._agree([0.5, math.nan])
