@@ -58,17 +58,22 @@ def _on_nonfinite(state: CompressionState):
     return reset
 
 
-def _local_(state: CompressionState, index: int, x: torch.Tensor) -> None:
-    """DGC's local steps on this rank's share ``x`` (already divided by the world size), in
-    place: clip the bucket's norm to ``clip_norm / world``, then momentum correction
-    (``x <- u = m u + x``). Private arithmetic before any collective; no host sync (the clip
-    factor stays a tensor)."""
+def _local_(state: CompressionState, index: int, x: torch.Tensor, div: int = 1) -> None:
+    """This rank's share of the average, ``x / div`` (``div``: the world size), then DGC's
+    local steps on it, in place: clip the bucket's norm to ``clip_norm / world``, then
+    momentum correction (``x <- u = m u + x``; with the division in one pass). Private
+    arithmetic before any collective; no host sync (the clip factor stays a tensor)."""
     if state.clip_norm is not None:
+        if div != 1:
+            x.div_(div)
+            div = 1
         limit = state.clip_norm / state.comm().world_size
         norm = torch.linalg.vector_norm(x, dtype=torch.float32)
         x.mul_(torch.clamp(limit / (norm + 1e-12), max=1.0).to(x.dtype))
     if state.momentum is not None:
-        state.memory.momentum_(index, x, state.momentum)
+        state.memory.momentum_(index, x, state.momentum, div)
+    elif div != 1:
+        x.div_(div)
 
 
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
@@ -84,8 +89,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     world = comm.world_size
     compressor = state.compressor
     if dense:
-        x.div_(world)
-        _local_(state, index, x)
+        _local_(state, index, x, world)
         state.dense_calls += 1
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
         return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter,
@@ -101,8 +105,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
         if not switched and not state.local_transform:
             return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
-        x.div_(world)
-        _local_(state, index, x)
+        _local_(state, index, x, world)
         if switched:
             if state.error_feedback:
                 state.memory.add_residual_(index, x)
@@ -113,14 +116,14 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     alg = get_algorithm(name)
     compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
-    x.div_(world)
     bound = state.residual_bound
-    # momentum correction then the residual, written into x once (same bits as in turn)
+    # the division, momentum correction and the residual, written into x once (same bits as
+    # in turn)
     fused = state.error_feedback and bound is None and state.momentum is not None and state.clip_norm is None
     if fused:
-        state.memory.momentum_residual_(index, x, state.momentum)
+        state.memory.momentum_residual_(index, x, state.momentum, world)
     else:
-        _local_(state, index, x)
+        _local_(state, index, x, world)
     if state.error_feedback and not fused:
         if bound is None:
             state.memory.add_residual_(index, x)

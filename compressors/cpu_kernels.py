@@ -114,6 +114,8 @@ def _declare(c) -> None:
     c.cp_ss_quantize.restype = None
     c.cp_ss_decode.argtypes = [P, I, I64, I64, P, P, I]
     c.cp_ss_decode.restype = None
+    c.cp_momentum.argtypes = [P, P, P, I64, F, F, I]
+    c.cp_momentum.restype = None
 
 
 def enabled() -> bool:

@@ -77,11 +77,16 @@ class ErrorFeedback:
             return None
         return u
 
-    def momentum_(self, bucket: int, x: torch.Tensor, momentum: float) -> torch.Tensor:
-        """Momentum correction: ``u <- momentum * u + x`` (``u = x`` the first time), then
-        ``x <- u`` in place; returns x. ``mul_`` then ``add_``: two roundings, like
-        ``torch.optim.SGD``'s ``buf.mul_(m).add_(g)``."""
+    def momentum_(self, bucket: int, x: torch.Tensor, momentum: float, div: int = 1) -> torch.Tensor:
+        """Momentum correction: ``x <- x / div`` (the world size; 1: none), then
+        ``u <- momentum * u + x`` (``u = x`` the first time), then ``x <- u`` in place; returns
+        x. ``mul_`` then ``add_``: two roundings, like ``torch.optim.SGD``'s
+        ``buf.mul_(m).add_(g)``. One compiled pass over fp32 CPU buckets (same bits)."""
         u = self.velocity(bucket, x)
+        if u is not None and _fused(x, u, None, div, momentum):
+            return x
+        if div != 1:
+            x.div_(div)
         if u is None:
             self.velocities[bucket] = x.clone()
             return x
@@ -89,12 +94,17 @@ class ErrorFeedback:
         x.copy_(u)
         return x
 
-    def momentum_residual_(self, bucket: int, x: torch.Tensor, momentum: float) -> torch.Tensor:
+    def momentum_residual_(self, bucket: int, x: torch.Tensor, momentum: float,
+                           div: int = 1) -> torch.Tensor:
         """:meth:`momentum_` then :meth:`add_residual_` in one pass fewer: ``x <- u + r``
         written once instead of ``x <- u; x += r`` (same bits: one rounding either way)."""
         u, r = self.velocity(bucket, x), self.residual(bucket, x)
         if u is None or r is None:
-            return self.add_residual_(bucket, self.momentum_(bucket, x, momentum))
+            return self.add_residual_(bucket, self.momentum_(bucket, x, momentum, div))
+        if _fused(x, u, r, div, momentum):
+            return x
+        if div != 1:
+            x.div_(div)
         u.mul_(momentum).add_(x)
         return torch.add(u, r, out=x)
 
@@ -136,3 +146,22 @@ class ErrorFeedback:
 
         self.residuals = load(sd.get("residuals", {}))
         self.velocities = load(sd.get("velocities", {}))
+
+
+def _fused(x: torch.Tensor, u: torch.Tensor, r: torch.Tensor | None, div: int, momentum: float) -> bool:
+    """``x / div``, the velocity update and ``x <- u (+ r)`` in one compiled pass (fp32 CPU,
+    contiguous); False where the torch path must do it. The bits are the torch path's
+    (tests/unit/test_cpu_kernels.py): the pass exists because the torch path reads and writes
+    a bucket-sized tensor four to five times (div, mul, add, copy), which on a 25M-parameter
+    bucket is tens of ms per step even where auto locked dense."""
+    from . import cpu_kernels
+
+    ts = (x, u) if r is None else (x, u, r)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
+        return False
+    c = cpu_kernels.lib(*ts)
+    if c is None:
+        return False
+    c.cp_momentum(x.data_ptr(), u.data_ptr(), None if r is None else r.data_ptr(), x.numel(),
+                  float(div), float(momentum), cpu_kernels.threads())
+    return True

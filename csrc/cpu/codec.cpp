@@ -611,3 +611,28 @@ API void cp_ss_decode(const void* q, int wb, i64 n, i64 chunk, const float* step
     ss_decode_range(q, wb, u0 * U, std::min(n, u1 * U), chunk, step, out);
   });
 }
+
+// DGC momentum correction in one pass (fp32): x <- x / div; u <- u * m + x; x <- u (+ r).
+// The torch twin is ErrorFeedback.momentum_ / momentum_residual_ after x.div_(div): the
+// same three or four roundings, in that order.
+API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float m, int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    const i64 e1 = std::min(n, u1 * U);
+    if (r) {
+      for (i64 i = u0 * U; i < e1; ++i) {
+        float v = u[i] * m;
+        v = v + x[i] / div;
+        u[i] = v;
+        x[i] = v + r[i];
+      }
+    } else {
+      for (i64 i = u0 * U; i < e1; ++i) {
+        float v = u[i] * m;
+        v = v + x[i] / div;
+        u[i] = v;
+        x[i] = v;
+      }
+    }
+  });
+}

@@ -206,3 +206,41 @@ def test_shared_scale_kernel_equals_reference(world, bits, threads, monkeypatch)
         got = decode_cpu(summed, chunk, step_ref, dtype)
         assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                            ref.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("momentum", [0.9, 0.99])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_momentum_pass_equals_torch_steps(world, momentum, threads, fallback, monkeypatch):
+    """``x / world``, ``u <- m u + x`` and ``x <- u (+ r)`` in one compiled pass: the bits of
+    ``x.div_(world)`` then the torch momentum (and residual) steps, incl. -0, denormals, inf
+    and NaN, over several steps of both entry points."""
+    from compressors.error_feedback import ErrorFeedback
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(world * 10 + threads)
+    fast, ref = ErrorFeedback(), ErrorFeedback()
+    for step in range(4):
+        x = torch.randn(200_003, generator=g) * 10.0 ** (step - 2)
+        x[::97] = -0.0
+        x[5::1009] = 1e-41  # denormal
+        if step == 3:
+            x[7], x[8] = float("inf"), float("nan")
+        for bucket, fused_entry in ((0, False), (1, True)):
+            xf, xr = x.clone(), x.clone()
+            if fused_entry:
+                fast.momentum_residual_(bucket, xf, momentum, world)
+                with fallback():
+                    ref.momentum_residual_(bucket, xr, momentum, world)
+            else:
+                fast.momentum_(bucket, xf, momentum, world)
+                with fallback():
+                    xr.div_(world)  # the torch steps exactly as the hook ran them before
+                    ref.momentum_(bucket, xr, momentum)
+            assert torch.equal(xf.view(torch.int32), xr.view(torch.int32)), (step, bucket)
+            assert torch.equal(fast.velocities[bucket].view(torch.int32),
+                               ref.velocities[bucket].view(torch.int32)), (step, bucket)
+            if fused_entry:  # a residual for the next step's fused pass
+                own = torch.where(xr.abs() > 1.0, xr, torch.zeros_like(xr))
+                fast.update_(bucket, xf, own)
+                ref.update_(bucket, xr, own)
