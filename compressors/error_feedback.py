@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from . import cpu_kernels
 from .base import Compressor, Context
 
 __all__ = ["ErrorFeedback"]
@@ -154,8 +155,6 @@ def _fused(x: torch.Tensor, u: torch.Tensor, r: torch.Tensor | None, div: int, m
     (tests/unit/test_cpu_kernels.py): the pass exists because the torch path reads and writes
     a bucket-sized tensor four to five times (div, mul, add, copy), which on a 25M-parameter
     bucket is tens of ms per step even where auto locked dense."""
-    from . import cpu_kernels
-
     ts = (x, u) if r is None else (x, u, r)
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
         return False
