@@ -61,6 +61,14 @@ def _decode_names(table: torch.Tensor) -> list[str]:
     return out
 
 
+
+# Every sub-group this module created, alive until the process exits. Suspected cause of a rare
+# abort ("std::system_error: Resource deadlock avoided", 4-rank hierarchical test): a gloo
+# group's last reference dropped on one of its own worker threads (a completion callback, or
+# the garbage collector run there), whose destructor then joins that thread. Unconfirmed;
+# c10d's own registry holds the groups as long anyway, until destroy_process_group().
+_GROUPS: list = []
+
 class TieredCommunicator(Communicator):
     """A flat communicator plus the intra-node and inter-node communicators of a topology.
 
@@ -190,11 +198,13 @@ class Topology:
 
         for node in self.nodes:
             g = dist.new_group(to_global(node))
+            _GROUPS.append(g)
             if self.rank in node:
                 self.intra = TorchCommunicator(g)
         for i in range(max(len(n) for n in self.nodes)):
             members = self.inter_ranks_for(i)
             g = dist.new_group(to_global(members))
+            _GROUPS.append(g)
             if self.rank in members:
                 self.inter = TorchCommunicator(g)
 
