@@ -243,17 +243,21 @@ class OddConvTask:
 
 
 class Digits25MTask(DigitsTask):
-    """ddp_step's 25M MLP (6 x Linear(2048), its ``mlp`` builder) on digits, each 64-pixel image
-    linearly interpolated to 2048 features (standardised); 10 classes among its 2048 logits.
-    SGD lr 0.015 momentum 0.9, batch 16 per rank, one DDP bucket for every hook (torch's
-    powerSGD_hook needs it on gloo). The loss is the cross-entropy on 256 fixed training
-    samples, split across the ranks. Big enough that the link matters: at 1 Gb/s a dense step
-    moves 100 MB per rank (~1 s) against ~0.2 s of compute (the time-to-quality task)."""
+    """ddp_step's 25M residual MLP (its ``resmlp``: 6 x Linear(2048), pre-norm residual
+    blocks, a 10-way head) on digits, each 64-pixel image linearly interpolated to 2048 features
+    (standardised). SGD lr 0.003 momentum 0.9, batch 16 per rank, one DDP bucket for every hook
+    (torch's powerSGD_hook needs it on gloo). The loss is the cross-entropy on 256 fixed
+    training samples, split across the ranks. Big enough that the link matters: at 1 Gb/s a
+    dense step moves 100 MB per rank (~1 s) against ~0.3 s of compute (the time-to-quality
+    task)."""
 
     name = "digits25m"
-    # lr 0.03 diverged under DDP (dense 4e4 after 150 steps at 1 Gb/s) and 0.02 was bumpy on one
-    # process; at 0.015 the loss is still falling at 150 steps (no plateau to sit on)
-    default_steps = 150
+    # the plain 6 x Linear(2048) MLP (2048 logits for 10 classes) was chaotic under SGD momentum:
+    # dense's own loss went 4.5 -> 7.1 between steps 20 and 30 at lr 0.015, and lr 0.007 or a
+    # 25-step lr warm-up still spiked; the residual form at lr 0.003 falls from 2.3 to ~0.3 in 20
+    # steps, then keeps falling (one process, 300 steps: ~0.03)
+    default_steps = 200
+    floor_model = "resmlp"
     n_eval = 256
 
     def __init__(self, args):
@@ -266,7 +270,7 @@ class Digits25MTask(DigitsTask):
         x = x.reshape(len(self.x), self.width)
         self.x = (x - x.mean()) / x.std()
         self.batch = args.batch or 16
-        self.lr = args.lr or 0.015
+        self.lr = args.lr or 0.003
         self.eval_idx = torch.arange(0, len(self.x), max(1, len(self.x) // self.n_eval))[:self.n_eval]
         numel = sum(p.numel() for p in self.model().parameters())
         self.bucket_cap_mb = math.ceil(numel * 4 / 2 ** 20 * 1.1) + 1  # the whole model: one bucket
@@ -274,7 +278,7 @@ class Digits25MTask(DigitsTask):
     def model(self) -> nn.Module:
         from ddp_step import build_model
 
-        return build_model("mlp", self.width, self.depth, seed=0)
+        return build_model(self.floor_model, self.width, self.depth, seed=0)
 
     @torch.no_grad()
     def evaluate(self, model) -> float:
@@ -507,7 +511,7 @@ def ttq_main(rank: int, world: int, args, configs, skipped):
     width, depth = getattr(task, "width", None), getattr(task, "depth", None)
     floor = None
     if width:  # the same MLP without DDP on every rank at once (ddp_step's floor, reused)
-        fa = argparse.Namespace(model="mlp", width=width, depth=depth, seed=0, batch=task.batch,
+        fa = argparse.Namespace(model=task.floor_model, width=width, depth=depth, seed=0, batch=task.batch,
                                 warmup=3, steps=args.floor_steps)
         floor = measure_floor(fa, rank, world)
     load_after = _uptime() if rank == 0 else None
@@ -702,8 +706,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="per rank (digits 32, charlm 16)")
     p.add_argument("--lr", type=float, default=None, help="digits 0.05 (SGD), charlm 2e-3 (AdamW)")
     p.add_argument("--lr-warmup", type=int, default=None,
-                   help="steps of linear lr warm-up, the same for every hook (default 0: off; on "
-                        "digits25m 25 steps did not remove dense's own loss spike at steps 30-40)")
+                   help="steps of linear lr warm-up, the same for every hook (default 0: off)")
     p.add_argument("--start-iter", type=int, default=2)
     p.add_argument("--bucket-cap-mb", type=float, default=64.0,
                    help="one bucket for these models (torch powerSGD_hook needs that on gloo)")

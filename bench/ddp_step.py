@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-__all__ = ["MODELS", "build_model", "make_batches", "measure", "main"]
+__all__ = ["MODELS", "ResMLP", "build_model", "make_batches", "measure", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,36 @@ def _mlp(width: int = 2048, depth: int = 6) -> nn.Module:
         if i < depth - 1:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+class ResMLP(nn.Module):
+    """``depth`` Linear(width) layers as a pre-norm residual MLP with a ``classes``-way head:
+    ``h = W0 x``, then ``h += W_i relu(LN_i(h))``, logits ``= head(LN(h))``. The same 25M
+    weights as :func:`_mlp` at width 2048, depth 6 (plus the norms and a 10-way head), and well
+    conditioned: plain ``_mlp`` with its 2048-way output spikes and stalls under SGD momentum
+    (bench/convergence.py's time-to-quality task uses this one)."""
+
+    def __init__(self, width: int = 2048, depth: int = 6, classes: int = 10):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth - 1))
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth - 1))
+        self.out_norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    @property
+    def in_features(self) -> int:
+        return self.inp.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.head.out_features
+
+    def forward(self, x):
+        h = self.inp(x)
+        for norm, lin in zip(self.norms, self.blocks):
+            h = h + lin(torch.relu(norm(h)))
+        return self.head(self.out_norm(h))
 
 
 def _conv(width: int = 64, depth: int = 3) -> nn.Module:
@@ -99,7 +129,7 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
-MODELS = {"mlp": _mlp, "conv": _conv, "transformer": TinyLM}
+MODELS = {"mlp": _mlp, "resmlp": ResMLP, "conv": _conv, "transformer": TinyLM}
 
 
 def build_model(name: str, width: int | None, depth: int | None, seed: int = 0) -> nn.Module:
@@ -114,10 +144,10 @@ def make_batches(name: str, model: nn.Module, batch: int, rank: int, count: int 
     g = torch.Generator().manual_seed(seed * 7919 + rank)
     out = []
     for _ in range(count):
-        if name == "mlp":
-            width = model[0].in_features
-            x = torch.randn(batch, width, generator=g)
-            y = torch.randint(0, model[-1].out_features, (batch,), generator=g)
+        if name in ("mlp", "resmlp"):
+            first, last = (model[0], model[-1]) if name == "mlp" else (model, model)
+            x = torch.randn(batch, first.in_features, generator=g)
+            y = torch.randint(0, last.out_features, (batch,), generator=g)
         elif name == "conv":
             x = torch.randn(batch, 3, 32, 32, generator=g)
             y = torch.randint(0, 10, (batch,), generator=g)
@@ -154,8 +184,10 @@ def _codec_ms(cfg, numel: int, reps: int = 3) -> float | None:
         return None
 
 
-def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
-    """Train ``cfg`` for warm-up + measured steps; the step times are the max over ranks."""
+def measure(cfg, args, rank: int, world: int, profile: bool = False,
+            pairing: str | None = None) -> dict:
+    """Train ``cfg`` for warm-up + measured steps; the step times are the max over ranks.
+    ``pairing`` (default ``args.pairing``): ``"optimizer"`` gives our hooks the optimizer."""
     model = build_model(args.model, args.width, args.depth, args.seed)
     batches = make_batches(args.model, model, args.batch, rank, seed=args.seed)
     cap = args.bucket_cap_mb
@@ -164,8 +196,9 @@ def measure(cfg, args, rank: int, world: int, profile: bool = False) -> dict:
     ddp = DDP(model, bucket_cap_mb=cap)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     # our hooks take SGD's momentum over (momentum correction, issue 17): the default way
+    pairing = pairing or getattr(args, "pairing", "optimizer")
     state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter,
-                                optimizer=opt if getattr(args, "pairing", "optimizer") == "optimizer" else None)
+                              optimizer=opt if pairing == "optimizer" else None)
     warmup = max(args.warmup, args.start_iter + 2)  # the first compressed steps allocate buffers
     tuner = getattr(getattr(state, "planner", None), "tuner", None)
     times = []
@@ -266,6 +299,32 @@ def measure_floor(args, rank: int, world: int) -> dict:
             "wire_bytes": None, "wire_MB": None}
 
 
+def measure_pairing(cfg, args, rank: int, world: int) -> list[dict]:
+    """The cost of handing the optimizer to the hook (issue 17's momentum correction, masking):
+    ``args.pairing_rounds`` interleaved pairs (paired, unpaired, paired, ...), each a fresh
+    :func:`measure`; one row each, named ``cfg.name [optimizer]`` / ``[none]``, and a
+    ``[cost]`` row: median paired step / median unpaired step (``pair_ratio``)."""
+    got = {"optimizer": [], "none": []}
+    for _ in range(args.pairing_rounds):
+        for pairing in ("optimizer", "none"):
+            got[pairing].append(measure(cfg, args, rank, world, pairing=pairing))
+    rows = []
+    for pairing, runs in got.items():
+        row = dict(runs[0])
+        row["step_ms"] = statistics.median(r["step_ms"] for r in runs)
+        row["p90_ms"] = statistics.median(r["p90_ms"] for r in runs)
+        row["hook"] = f"{cfg.name} [{pairing}]"
+        rows.append(row)
+    ratio = rows[0]["step_ms"] / rows[1]["step_ms"]
+    rows[0]["pair_ratio"] = ratio
+    if rank == 0:
+        each = ", ".join(f"{a['step_ms']:.0f}/{b['step_ms']:.0f}"
+                         for a, b in zip(got["optimizer"], got["none"]))
+        print(f"# pairing cost {cfg.name}: optimizer/none medians {rows[0]['step_ms']:.1f}/"
+              f"{rows[1]['step_ms']:.1f} ms = {ratio:.3f} (rounds, ms: {each})", flush=True)
+    return rows
+
+
 def _one_bucket_mb(args) -> float:
     m = build_model(args.model, args.width, args.depth, args.seed)
     return sum(p.numel() * p.element_size() for p in m.parameters()) / 2 ** 20
@@ -290,7 +349,10 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
     profiled = set((args.profile or "").split(","))
     it = tables.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
     for cfg in it:
-        rows.append(measure(cfg, args, rank, world, profile=cfg.name in profiled))
+        if args.pairing == "both" and cfg.kind == "ours":
+            rows += measure_pairing(cfg, args, rank, world)
+        else:
+            rows.append(measure(cfg, args, rank, world, profile=cfg.name in profiled))
     if args.repeat_dense and len(configs) > 1:  # drift check: the shared cores change load
         again = measure(configs[0], args, rank, world)
         again["hook"] = "dense(again)"
@@ -306,6 +368,8 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
     if rank != 0:
         return None
     cols = COLUMNS if args.codec else [c for c in COLUMNS if c != "codec_ms"]
+    if args.pairing == "both":
+        cols = cols + ["pair_ratio"]
     print(tables.format_table(rows, cols), flush=True)
     meta = {"model": args.model, "params": numel, "world": world, "batch": args.batch,
             "bucket_cap_mb": args.bucket_cap_mb, "link": args.link, "steps": args.steps,
@@ -328,7 +392,11 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
               "rank at once (world size 1, no communication); `vs_floor` = step / that. "
               "`raw_ms`: one plain gloo allreduce that sends the row's wire bytes per rank, "
               "on the same links in the same run (the wire-time floor). `speedup` is dense "
-              "step / row step.", ""]
+              "step / row step."
+              + (f" `[optimizer]`/`[none]`: the hook registered with / without the optimizer "
+                 f"(SGD momentum in the hook: momentum correction and masking / in the "
+                 f"optimizer), {args.pairing_rounds} interleaved pairs, each row the median; "
+                 "`pair_ratio` = optimizer / none." if args.pairing == "both" else ""), ""]
         md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
         md.append(tables.format_table(rows, cols, markdown=True))
         for name, ms, table in PROFILES:
@@ -342,9 +410,12 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairing", choices=("optimizer", "none"), default="optimizer",
+    p.add_argument("--pairing", choices=("optimizer", "none", "both"), default="optimizer",
                    help="our hooks: register(..., optimizer=opt) (SGD momentum moves into the "
-                        "hook, the default) or without it (the optimizer keeps its momentum)")
+                        "hook, the default) or without it (the optimizer keeps its momentum); "
+                        "'both': --pairing-rounds interleaved pairs per hook and the cost ratio")
+    p.add_argument("--pairing-rounds", type=int, default=3,
+                   help="--pairing both: interleaved (optimizer, none) pairs per hook")
     launching.add_launch_args(p)
     p.add_argument("--model", choices=sorted(MODELS), default="mlp")
     p.add_argument("--width", type=int, default=None, help="model width (mlp 2048, conv 64, transformer 256)")
