@@ -5,7 +5,9 @@ The pairing: error feedback meeting an optimizer's momentum diverges for aggress
 compressors (top-k 1%, sign, random-k 1% on SGD momentum 0.9). The hook applies the momentum
 itself instead (``momentum=``, Deep Gradient Compression's momentum correction) and the
 optimizer runs with momentum 0. ``register(model, spec, optimizer=opt)`` does both: it reads
-SGD's momentum from ``opt`` and sets ``opt``'s momentum to 0.
+SGD's momentum from ``opt`` and sets ``opt``'s momentum to 0 — for the compressors whose
+``momentum_correction`` is True; PowerSGD's is False: it leaves the momentum with the optimizer
+(applied to the averaged, decoded gradient, as in the paper and torch's hook).
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def take_over_momentum(optimizer) -> float | None:
     return momenta[0]
 
 
+def _wants_correction(state: CompressionState) -> bool:
+    """Error feedback whose compressor wants the momentum in the hook (DGC's correction)."""
+    return state.error_feedback and getattr(state.compressor, "momentum_correction", True)
+
+
 def check_optimizer(state: CompressionState, optimizer) -> None:
     """Check the momentum pairing of a hook state and an optimizer.
 
@@ -94,7 +101,7 @@ def check_optimizer(state: CompressionState, optimizer) -> None:
 
     Warns (``UserWarning``) when the hook keeps error-feedback residuals, applies no momentum,
     and the optimizer has momentum: the combination that diverges for aggressive biased
-    compressors — pass ``momentum=`` (and momentum 0 to the optimizer) or
+    compressors (not for those with ``momentum_correction = False``: PowerSGD) — pass ``momentum=`` (and momentum 0 to the optimizer) or
     ``register(..., optimizer=opt)``.
     """
     momenta = _group_momenta(optimizer)
@@ -102,7 +109,7 @@ def check_optimizer(state: CompressionState, optimizer) -> None:
         raise ValueError(f"the hook applies momentum {state.momentum} (momentum correction) and "
                          f"the optimizer has momentum {momenta}: it would be applied twice; run "
                          "the optimizer with momentum=0")
-    if state.momentum is None and state.error_feedback and any(momenta):
+    if state.momentum is None and _wants_correction(state) and any(momenta):
         warnings.warn(f"commpress: error feedback ({state.compressor.spec()!r}) with the "
                       f"optimizer's momentum {max(momenta)} can diverge; let the hook apply it: "
                       "register(model, spec, optimizer=opt) or momentum= with an optimizer "
@@ -126,7 +133,9 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         optimizer: the training optimizer (recommended). If it has SGD momentum and
             ``momentum`` is not given, the hook takes it over (:func:`take_over_momentum`:
             ``momentum=`` its value, and its param groups' momentum set to 0) — the default
-            way to pair SGD momentum with a biased compressor without diverging. With
+            way to pair SGD momentum with a biased compressor without diverging — unless the
+            compressor's ``momentum_correction`` is False (PowerSGD): then the optimizer keeps
+            it. With
             ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
         **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
             :class:`~comms.state.CompressionState`).
@@ -159,12 +168,13 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
     if optimizer is not None:
         momenta = _group_momenta(optimizer)  # TypeError before anything changes
         if kwargs.get("momentum") is None and any(momenta):
-            make_hook(compressor, momentum=momenta[0], **kwargs)  # validate the rest first
-            kwargs["momentum"] = taken = take_over_momentum(optimizer)
+            probe, _ = make_hook(compressor, momentum=momenta[0], **kwargs)  # validate the rest first
+            if getattr(probe.compressor, "momentum_correction", True):
+                kwargs["momentum"] = taken = take_over_momentum(optimizer)
     state, hook = make_hook(compressor, **kwargs)
     if optimizer is not None:
         check_optimizer(state, optimizer)
-    elif state.momentum is None and state.error_feedback:
+    elif state.momentum is None and _wants_correction(state):
         logger.warning("commpress: %r keeps error-feedback residuals and was not told the "
                        "optimizer's momentum; with SGD momentum pass register(..., optimizer=opt) "
                        "(or momentum= and an optimizer momentum of 0): error feedback meeting an "

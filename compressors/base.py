@@ -275,6 +275,12 @@ class Compressor:
         sparsifies: decompress is zero wherever no value was sent (top-k, random-k): the
             hook's momentum factor masking zeroes the velocity at the nonzeros of a rank's own
             decoded payload.
+        momentum_correction: with SGD momentum, ``comms.register(..., optimizer=opt)`` moves
+            the momentum into the hook and applies it before compression (Deep Gradient
+            Compression's momentum correction) — True for the element-wise compressors, whose
+            error feedback diverges against an optimizer's momentum. False (PowerSGD): the
+            optimizer keeps its momentum and applies it to the averaged, decoded gradient
+            (PowerSGD's own pairing and torch's hook).
         allreduce_rounds: 1: one payload summed by one allreduce (the linear family's
             default); 2: the power-iteration protocol of :class:`compressors.PowerSGD`
             (``first_round``, ``second_round``, ``decode_round``, ``keep``).
@@ -290,6 +296,7 @@ class Compressor:
     fixed_size: ClassVar[bool] = True
     unbiased: ClassVar[bool] = False
     sparsifies: ClassVar[bool] = False
+    momentum_correction: ClassVar[bool] = True
     allreduce_rounds: ClassVar[int] = 1
 
     #: elements per block in blocked fast paths (a power of two >= 8); None: block_elems(device)

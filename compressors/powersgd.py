@@ -141,7 +141,11 @@ class PowerSGD(Compressor):
         warm_start: reuse last step's aggregated ``Q`` (else a fresh shared random ``Q``).
         min_compression_rate: send buckets dense unless ``n >= rate * r * (rows + cols)``.
 
-    Biased: use error feedback (the hook turns it on by default).
+    Biased: use error feedback (the hook turns it on by default). With SGD momentum the
+    optimizer keeps it (``momentum_correction = False``: ``register(..., optimizer=opt)``
+    leaves the optimizer alone), as in the PowerSGD paper and torch's hook: momentum applied
+    to the local gradient before a rank-1 projection, with its residual, over-applies the
+    untransmitted part (the residual and the velocity both keep it) and was measured worse.
 
     .. warning::
         Every rank must call with the same buckets in the same order (the hook does):
@@ -150,6 +154,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     families = ("allreduce",)
+    momentum_correction = False  # the optimizer's momentum on the decoded average
     allreduce_rounds = 2  # the power-iteration protocol: first_round / second_round / decode_round
 
     @classmethod

@@ -89,6 +89,10 @@ def test_take_over_momentum_and_check_optimizer():
         warnings.simplefilter("error")
         comms.check_optimizer(CompressionState("qsgd:bits=4", None, algorithm="allgather"),
                               _sgd(momentum=0.9))  # no error feedback: nothing to warn about
+        # PowerSGD keeps error feedback but pairs with the optimizer's momentum (on the average)
+        psgd = CompressionState("powersgd:rank=1", None, algorithm="allreduce")
+        assert psgd.error_feedback and not psgd.compressor.momentum_correction
+        comms.check_optimizer(psgd, _sgd(momentum=0.9))
 
 
 def test_warmup_ramps_density_then_keeps_the_compressor():
