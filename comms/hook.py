@@ -159,9 +159,11 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
-        if state.error_feedback:
+        if state.error_feedback and mask:  # residual and masking in one pass
+            state.memory.update_masked_(index, x, own)
+        elif state.error_feedback:
             state.memory.update_(index, x, own)
-        if mask:
+        elif mask:
             state.memory.mask_velocity_(index, own)
         x.copy_(total)
         return x

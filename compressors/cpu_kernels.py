@@ -116,6 +116,8 @@ def _declare(c) -> None:
     c.cp_ss_decode.restype = None
     c.cp_momentum.argtypes = [P, P, P, I64, F, F, I]
     c.cp_momentum.restype = None
+    c.cp_ef_update.argtypes = [P, P, P, P, I64, I]
+    c.cp_ef_update.restype = None
 
 
 def enabled() -> bool:

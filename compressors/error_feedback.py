@@ -109,6 +109,29 @@ class ErrorFeedback:
         u.mul_(momentum).add_(x)
         return torch.add(u, r, out=x)
 
+    def update_masked_(self, bucket: int, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+        """:meth:`update_` then :meth:`mask_velocity_` with ``decoded`` as ``sent``, in one
+        compiled pass over fp32 CPU buckets (same bits); returns the residual."""
+        r = self.residual(bucket, x)
+        if r is None:
+            r = torch.empty_like(x)
+            self.residuals[bucket] = r
+        u = self.velocities.get(bucket)
+        if u is not None and u.numel() != x.numel():
+            u = None  # mask_velocity_ skips a velocity of another layout too
+        ts = (x, decoded, r) if u is None else (x, decoded, r, u)
+        c = None
+        if all(t.dtype == torch.float32 and t.is_contiguous() for t in ts):
+            c = cpu_kernels.lib(*ts)
+        if c is None:
+            torch.sub(x, decoded.to(x.dtype), out=r)
+            if u is not None:
+                u.masked_fill_(decoded != 0, 0)
+            return r
+        c.cp_ef_update(x.data_ptr(), decoded.data_ptr(), r.data_ptr(),
+                       None if u is None else u.data_ptr(), x.numel(), cpu_kernels.threads())
+        return r
+
     def mask_velocity_(self, bucket: int, sent: torch.Tensor) -> None:
         """Momentum factor masking: ``u[sent != 0] = 0`` (``sent``: this rank's own decoded
         payload; nonzero where the sparsifier sent a value)."""

@@ -636,3 +636,22 @@ API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float
     }
   });
 }
+
+// The error-feedback update after a sparsifier's round, with DGC's momentum factor masking, in
+// one pass (fp32): r <- x - own; u <- 0 where own != 0 (u may be null: no masking). The torch
+// twin is torch.sub(x, own, out=r) then u.masked_fill_(own != 0, 0): the same bits (NaN != 0).
+API void cp_ef_update(const float* x, const float* own, float* r, float* u, i64 n, int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    const i64 e1 = std::min(n, u1 * U);
+    if (u) {
+      for (i64 i = u0 * U; i < e1; ++i) {
+        const float o = own[i];
+        r[i] = x[i] - o;
+        if (o != 0.0f) u[i] = 0.0f;
+      }
+    } else {
+      for (i64 i = u0 * U; i < e1; ++i) r[i] = x[i] - own[i];
+    }
+  });
+}

@@ -244,3 +244,38 @@ def test_momentum_pass_equals_torch_steps(world, momentum, threads, fallback, mo
                 own = torch.where(xr.abs() > 1.0, xr, torch.zeros_like(xr))
                 fast.update_(bucket, xf, own)
                 ref.update_(bucket, xr, own)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_velocity", [True, False])
+def test_ef_update_with_masking_equals_torch_steps(threads, with_velocity, fallback, monkeypatch):
+    """``r <- x - own`` and momentum factor masking (``u[own != 0] = 0``) in one compiled pass:
+    the bits of ``update_`` then ``mask_velocity_`` (the torch steps), incl. -0 in ``own``
+    (not sent: its velocity stays), NaN and inf, over three steps."""
+    from compressors.error_feedback import ErrorFeedback
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(threads)
+    fast, ref = ErrorFeedback(), ErrorFeedback()
+    for step in range(3):
+        x = torch.randn(300_007, generator=g)
+        x[3::1013] = 1e-41
+        own = torch.where(x.abs() > 1.5, x * 0.75, torch.zeros_like(x))  # a sparsifier's own
+        own[::101] = -0.0
+        if step == 2:
+            own[9], own[10], x[11] = float("nan"), float("inf"), float("-inf")
+        if with_velocity:
+            u = torch.randn(x.numel(), generator=g)
+            fast.velocities[0], ref.velocities[0] = u.clone(), u.clone()
+        r_fast = fast.update_masked_(0, x, own)
+        with fallback():
+            r_ref = ref.update_(0, x, own)
+            ref.mask_velocity_(0, own)
+        assert r_fast is fast.residuals[0]
+        assert torch.equal(r_fast.view(torch.int32), r_ref.view(torch.int32)), step
+        if with_velocity:
+            assert torch.equal(fast.velocities[0].view(torch.int32),
+                               ref.velocities[0].view(torch.int32)), step
+            assert int((fast.velocities[0] == 0).sum()) >= int((own != 0).sum())
+        else:
+            assert 0 not in fast.velocities
