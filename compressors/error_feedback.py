@@ -112,21 +112,16 @@ class ErrorFeedback:
     def update_masked_(self, bucket: int, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
         """:meth:`update_` then :meth:`mask_velocity_` with ``decoded`` as ``sent``, in one
         compiled pass over fp32 CPU buckets (same bits); returns the residual."""
-        r = self.residual(bucket, x)
-        if r is None:
-            r = torch.empty_like(x)
-            self.residuals[bucket] = r
         u = self.velocities.get(bucket)
         if u is not None and u.numel() != x.numel():
             u = None  # mask_velocity_ skips a velocity of another layout too
-        ts = (x, decoded, r) if u is None else (x, decoded, r, u)
-        c = None
-        if all(t.dtype == torch.float32 and t.is_contiguous() for t in ts):
-            c = cpu_kernels.lib(*ts)
-        if c is None:
-            torch.sub(x, decoded.to(x.dtype), out=r)
+        r = self.residual(bucket, x)
+        ts = (x, decoded) + (() if r is None else (r,)) + (() if u is None else (u,))
+        c = _kernel_lib(*ts)
+        if c is None or r is None:  # the torch steps (and the first step's allocation)
+            r = self.update_(bucket, x, decoded)
             if u is not None:
-                u.masked_fill_(decoded != 0, 0)
+                self.mask_velocity_(bucket, decoded)
             return r
         c.cp_ef_update(x.data_ptr(), decoded.data_ptr(), r.data_ptr(),
                        None if u is None else u.data_ptr(), x.numel(), cpu_kernels.threads())
@@ -172,16 +167,20 @@ class ErrorFeedback:
         self.velocities = load(sd.get("velocities", {}))
 
 
+def _kernel_lib(*ts: torch.Tensor):
+    """The compiled kernels when every tensor is contiguous fp32 on the CPU, else None."""
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
+        return None
+    return cpu_kernels.lib(*ts)
+
+
 def _fused(x: torch.Tensor, u: torch.Tensor, r: torch.Tensor | None, div: int, momentum: float) -> bool:
     """``x / div``, the velocity update and ``x <- u (+ r)`` in one compiled pass (fp32 CPU,
     contiguous); False where the torch path must do it. The bits are the torch path's
     (tests/unit/test_cpu_kernels.py): the pass exists because the torch path reads and writes
     a bucket-sized tensor four to five times (div, mul, add, copy), which on a 25M-parameter
     bucket is tens of ms per step even where auto locked dense."""
-    ts = (x, u) if r is None else (x, u, r)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
-        return False
-    c = cpu_kernels.lib(*ts)
+    c = _kernel_lib(*((x, u) if r is None else (x, u, r)))
     if c is None:
         return False
     c.cp_momentum(x.data_ptr(), u.data_ptr(), None if r is None else r.data_ptr(), x.numel(),
