@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -42,10 +43,13 @@ def when_all(futs, value) -> torch.futures.Future:
     futures are done."""
     out = torch.futures.Future()
     left = [len(futs)]
+    lock = threading.Lock()  # callbacks may run on several collective threads at once
 
     def one(_f):
-        left[0] -= 1
-        if left[0] == 0:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
             try:
                 for f in futs:
                     f.value()

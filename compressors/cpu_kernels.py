@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "COMMPRESS_CPU_KERNELS"
 #: -ffp-contract=off: no multiply-add is fused (bits must equal the torch path's)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17",
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math",
+         "-fno-trapping-math", "-std=c++17",
          "-shared", "-fPIC", "-pthread", "-fvisibility=hidden")
 
 _lock = threading.Lock()
@@ -91,7 +92,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     cdll = ctypes.CDLL(str(so))
     _declare(cdll)
-    if cdll.cp_abi_version() != 1:
+    if cdll.cp_abi_version() != 2:
         raise RuntimeError("stale codec library")
     return cdll
 
@@ -110,14 +111,16 @@ def _declare(c) -> None:
     c.cp_topk_exact.argtypes = [P, I, I64, I64, P, P, P, P, P, I64, I]
     c.cp_topk_exact.restype = I
     F = ctypes.c_float
-    c.cp_ss_quantize.argtypes = [P, I64, I64, P, P, F, U32, I, P, P, I]
+    c.cp_ss_quantize.argtypes = [P, I64, I64, I64, P, P, F, U32, I, P, P, I]
     c.cp_ss_quantize.restype = None
-    c.cp_ss_decode.argtypes = [P, I, I64, I64, P, P, I]
+    c.cp_ss_decode.argtypes = [P, I, I64, I64, I64, P, P, I]
     c.cp_ss_decode.restype = None
     c.cp_momentum.argtypes = [P, P, P, I64, F, F, I]
     c.cp_momentum.restype = None
     c.cp_ef_update.argtypes = [P, P, P, P, I64, I]
     c.cp_ef_update.restype = None
+    c.cp_randomk_indices.argtypes = [I64, I64, I, ctypes.c_uint64, ctypes.c_uint64, P, I]
+    c.cp_randomk_indices.restype = None
 
 
 def enabled() -> bool:

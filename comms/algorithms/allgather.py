@@ -33,19 +33,23 @@ def _sum_in_rank_order(compressor, ctx, payloads):
 def _allgather(comm, compressor, x, ctx, store):
     """Allgather the compressed payloads, decode each, sum in rank order."""
     payload = compressor.compress(x, ctx)
-    own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
     layout = layout_of(payload)
     buf = to_bytes(payload)
     world = comm.world_size
 
+    def decode_own():  # run while the payload round is on the wire (it only reads the payload)
+        return compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
+
     if compressor.fixed_size:
         nbytes = buf.numel()
+        fut = comm.all_gather(buf)
+        own = decode_own()
 
         def done(fut):
             g = fut.value().view(world, nbytes)
             return _sum_in_rank_order(compressor, ctx, [from_bytes(g[r], layout) for r in range(world)]), own
 
-        return comm.all_gather(buf).then(done)
+        return fut.then(done)
 
     # variable size: exchange (numel of each payload tensor, bucket numel) first
     sizes = torch.tensor([n for n, _ in layout] + [ctx.numel], dtype=torch.int64)
@@ -66,13 +70,15 @@ def _allgather(comm, compressor, x, ctx, store):
         width = max(nbytes_of(lay) for lay in layouts)
         padded = torch.zeros(width, dtype=torch.uint8, device=buf.device)
         padded[: buf.numel()] = buf
+        fut = comm.all_gather(padded)
+        own = decode_own()
 
         def done(fut):
             g = fut.value().view(world, width)
             ps = [from_bytes(g[r], layouts[r]) for r in range(world)]
             return _sum_in_rank_order(compressor, ctx, ps), own
 
-        return comm.all_gather(padded).then(done)
+        return fut.then(done)
 
     # wait for the size round here, in the caller's thread: starting the payload round from a
     # completion callback could order it after another bucket's first round on some ranks

@@ -40,14 +40,17 @@ from compressors.hashrng import stream_key, uniform_into
 
 from . import buffers
 from . import cuda_kernels as cuda_dispatch
+from ..futures import when_all
 from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 
 __all__ = ["SharedScale", "shared_scale", "shared_scale_levels", "shared_scale_error_bound",
-           "quantize_reference", "decode_reference", "quantize_cpu", "decode_cpu", "MIN_INT8_LEVELS"]
+           "quantize_reference", "decode_reference", "quantize_cpu", "decode_cpu", "part_bounds", "MIN_INT8_LEVELS",
+           "PART_BYTES"]
 
 logger = logging.getLogger(__name__)
 
+PART_BYTES = 4 << 20  # wire bytes per pipelined part (see part_bounds; chosen by measurement)
 MIN_INT8_LEVELS = 7  # fewer int8 levels than this: widen the wire integer to int32
 _STREAM_SALT = 0x51A7E5CA  # keeps this stream apart from the compressor's own streams
 
@@ -110,36 +113,97 @@ def decode_reference(summed, chunk, step, dtype):
     return _per_chunk_(out, step, chunk, "mul_").to(dtype)
 
 
-def quantize_cpu(xf, chunk, scales, levels, wire_dtype, key):
+def _inv_step(scales, levels):
+    """fp32 ``(L / s or 0, s / L)`` per chunk: the quantize multiplier and the decode step."""
+    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))
+    return inv, scales / levels
+
+
+def part_bounds(n: int, chunk: int, wire_dtype: torch.dtype) -> list[tuple[int, int]]:
+    """The ``[a, b)`` element ranges of the pipelined integer round: one per
+    :data:`PART_BYTES` of wire integers, whole chunks each. A function of values equal on
+    every rank (the bucket's numel, the chunk, the wire dtype): gloo pairs the parts'
+    allreduces by issue order.
+
+    Example::
+
+        >>> part_bounds(10_000_000, 2048, torch.int8)[:2]
+        [(0, 4194304), (4194304, 8388608)]
+    """
+    per = max(chunk, PART_BYTES // wire_dtype.itemsize // chunk * chunk)
+    return [(a, min(n, a + per)) for a in range(0, n, per)] or [(0, 0)]
+
+
+def quantize_cpu(xf, chunk, scales, levels, wire_dtype, key, lo=0, hi=None, out=None):
     """Step 2 in one pass of ``csrc/cpu/codec.cpp`` (``cp_ss_quantize``): ``(q, own, step)``
     with the bits of :func:`quantize_reference` (``own`` fp32 = its ``t * step``); ``None``
     where the compiled codec is off or unavailable, or ``xf`` is not a contiguous fp32 CPU
-    tensor. ``q`` and ``own`` come from the algorithms' buffer pool."""
+    tensor. ``q`` and ``own`` come from the algorithms' buffer pool, or are ``out`` (a
+    ``(q, own)`` pair of bucket-sized buffers). Only elements ``[lo, hi)`` are written (the
+    whole bucket by default); they get the bits a whole-bucket call gives them."""
     ck = cpu_kernels.lib(xf)
     if ck is None or xf.dtype != torch.float32 or not xf.is_contiguous():
         return None
     n = xf.numel()
-    inv = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))  # as the reference
-    step = scales / levels
-    q = buffers.empty(n, wire_dtype, xf.device)
-    own = buffers.empty(n, torch.float32, xf.device)
-    ck.cp_ss_quantize(xf.data_ptr(), n, chunk, inv.data_ptr(), step.data_ptr(), float(levels),
-                      key & 0xFFFFFFFF, wire_dtype.itemsize * 8, q.data_ptr(), own.data_ptr(),
-                      cpu_kernels.threads())
+    hi = n if hi is None else hi
+    inv, step = _inv_step(scales, levels)  # as the reference
+    if out is None:
+        out = (buffers.empty(n, wire_dtype, xf.device), buffers.empty(n, torch.float32, xf.device))
+    q, own = out
+    if hi > lo:
+        ck.cp_ss_quantize(xf[lo:].data_ptr(), hi - lo, lo, chunk, inv.data_ptr(), step.data_ptr(),
+                          float(levels), key & 0xFFFFFFFF, wire_dtype.itemsize * 8,
+                          q[lo:].data_ptr(), own[lo:].data_ptr(), cpu_kernels.threads())
     return q, own, step
 
 
-def decode_cpu(summed, chunk, step, dtype):
+def decode_cpu(summed, chunk, step, dtype, base=0, out=None):
     """Step 3 in one pass (``cp_ss_decode``), the bits of :func:`decode_reference`; ``None``
-    where the compiled codec is not used."""
+    where the compiled codec is not used. ``summed`` may be the part of the bucket that starts
+    at element ``base``: its decode then goes to ``out[base:]`` (fp32) and ``out`` is returned."""
     ck = cpu_kernels.lib(summed)
     if ck is None or summed.dtype not in (torch.int8, torch.int32) or not summed.is_contiguous():
         return None
     n = summed.numel()
-    out = buffers.empty(n, torch.float32, summed.device)
-    ck.cp_ss_decode(summed.data_ptr(), summed.dtype.itemsize * 8, n, chunk, step.data_ptr(),
-                    out.data_ptr(), cpu_kernels.threads())
-    return out if dtype == torch.float32 else out.to(dtype)
+    whole = out is None
+    if whole:
+        out = buffers.empty(n, torch.float32, summed.device)
+    if n:
+        ck.cp_ss_decode(summed.data_ptr(), summed.dtype.itemsize * 8, n, base, chunk,
+                        step.data_ptr(), out[base:].data_ptr(), cpu_kernels.threads())
+    return out if (dtype == torch.float32 or not whole) else out.to(dtype)
+
+
+def _pipelined_cpu(comm, xf, chunk, scales, levels, wire_dtype, key, dtype):
+    """Steps 2-3 with the compiled codec, the integer round cut at :func:`part_bounds`: part
+    ``k + 1`` is quantized while part ``k`` is on the wire, and each part is decoded when its
+    sum arrives (on the collective's callback thread), so the codec hides behind the transfer.
+    The bits of one whole-bucket quantize, allreduce and decode (the kernels index the hash
+    and the chunk scales by bucket element; integer sums are exact). ``None`` where the
+    compiled codec is not used."""
+    n = xf.numel()
+    first = quantize_cpu(xf, chunk, scales, levels, wire_dtype, key, 0, 0)
+    if first is None:
+        return None
+    q, own, step = first
+    dec = buffers.empty(n, torch.float32, xf.device)
+    futs = []
+    for a, b in part_bounds(n, chunk, wire_dtype):
+        quantize_cpu(xf, chunk, scales, levels, wire_dtype, key, a, b, out=(q, own))
+
+        def decode_part(f, a=a):
+            summed = f.value()  # gloo: q[a:b] summed in place; other communicators: a new tensor
+            if decode_cpu(summed.contiguous(), chunk, step, torch.float32, a, dec) is None:
+                raise RuntimeError("shared_scale: the compiled decode is unavailable mid-round")
+
+        futs.append(comm.all_reduce(q[a:b]).then(decode_part))
+    own_out = own if dtype == torch.float32 else own.to(dtype)
+
+    def finish(f):
+        f.value()  # re-raises the first failed part's error
+        return (dec if dtype == torch.float32 else dec.to(dtype)), own_out
+
+    return when_all(futs, None).then(finish)
 
 
 def _shared_scale(comm, compressor, x, ctx, store):
@@ -161,10 +225,10 @@ def _shared_scale(comm, compressor, x, ctx, store):
     # CUDA: one kernel scales, dithers, rounds and casts (same bits as the torch path below)
     fast = (cuda_dispatch.shared_scale_quantize(xf, chunk, scales, levels, wire_dtype, key, ctx.dtype)
             if x.is_cuda else None)
-    if fast is None and not x.is_cuda:  # CPU: the compiled one-pass kernel, same bits
-        fast = quantize_cpu(xf, chunk, scales, levels, wire_dtype, key)
-        if fast is not None and ctx.dtype != torch.float32:
-            fast = (fast[0], fast[1].to(ctx.dtype), fast[2])
+    if fast is None and not x.is_cuda:  # CPU: the compiled kernels, pipelined, same bits
+        pipelined = _pipelined_cpu(comm, xf, chunk, scales, levels, wire_dtype, key, ctx.dtype)
+        if pipelined is not None:
+            return pipelined
     if fast is not None:
         q, own, step = fast
         fut = comm.all_reduce(q)
@@ -175,10 +239,9 @@ def _shared_scale(comm, compressor, x, ctx, store):
         own = _per_chunk_(t, step, chunk, "mul_").to(ctx.dtype)
 
     def done(f):
+        dec = None
         if f.value().is_cuda:
             dec = cuda_dispatch.shared_scale_decode(f.value(), chunk, step, ctx.dtype)
-        else:
-            dec = decode_cpu(f.value(), chunk, step, ctx.dtype)
         if dec is not None:
             return dec, own
         return decode_reference(f.value(), chunk, step, ctx.dtype), own

@@ -523,44 +523,54 @@ int topk_exact(const void* x, i64 n, i64 k, u32* out_idx, void* out_vals, u32* i
 // t = clamp(floor(fl(fl(x * inv[c]) + u)), -L, L), NaN -> 0, u = fl(h24 + 0.5) * 2^-24 with
 // h24 = lowbias32(i ^ key) >> 8 (hashrng.uniform_into); q = t as int8 (wb 8) or int32, and
 // own = fl(t * step[c]) — the torch ops' roundings, one at a time (no FMA: -ffp-contract=off)
-void ss_quantize_range(const float* x, i64 e0, i64 e1, i64 chunk, const float* inv,
-                       const float* step, float L, u32 key, int wb, void* q, float* own) {
+// Element j of the given arrays is element base + j of the bucket: the hash and the chunk
+// index use base + j, so a part quantized alone gets the bits of the whole (pipelined rounds).
+template <int WB>
+void ss_quantize_block(const float* x, i64 a, i64 b, i64 base, float iv, float st, float L,
+                       u32 key, void* q, float* own) {
   const float SC = 5.9604644775390625e-08f;  // 2**-24
-  for (i64 c0 = e0 - e0 % chunk; c0 < e1; c0 += chunk) {
-    const i64 a = std::max(e0, c0), b = std::min(e1, c0 + chunk);
-    const float iv = inv[c0 / chunk], st = step[c0 / chunk];
-    for (i64 i = a; i < b; ++i) {
-      float t = x[i] * iv;
-      float v = (float)(int32_t)(lowbias32((u32)i ^ key) >> 8);
-      v = v + 0.5f;
-      t = t + v * SC;
-      t = std::floor(t);
-      t = t < -L ? -L : t;
-      t = t > L ? L : t;
-      if (t != t) t = 0.0f;
-      if (wb == 8) ((int8_t*)q)[i] = (int8_t)(int32_t)t;
-      else ((int32_t*)q)[i] = (int32_t)t;
-      own[i] = t * st;
-    }
+  for (i64 j = a; j < b; ++j) {  // branch-free, so GCC vectorizes it (needs -fno-trapping-math)
+    float t = x[j] * iv;
+    float v = (float)(int32_t)(lowbias32((u32)(base + j) ^ key) >> 8);
+    v = v + 0.5f;
+    t = t + v * SC;
+    t = std::floor(t);
+    t = t < -L ? -L : t;
+    t = t > L ? L : t;
+    t = t != t ? 0.0f : t;
+    if (WB == 8) static_cast<int8_t*>(q)[j] = (int8_t)(int32_t)t;
+    else static_cast<int32_t*>(q)[j] = (int32_t)t;
+    own[j] = t * st;
   }
 }
 
-void ss_decode_range(const void* q, int wb, i64 e0, i64 e1, i64 chunk, const float* step,
-                     float* out) {
-  for (i64 c0 = e0 - e0 % chunk; c0 < e1; c0 += chunk) {
-    const i64 a = std::max(e0, c0), b = std::min(e1, c0 + chunk);
+// local elements [e0, e1) of a part starting at bucket element `base`
+void ss_quantize_range(const float* x, i64 base, i64 e0, i64 e1, i64 chunk, const float* inv,
+                       const float* step, float L, u32 key, int wb, void* q, float* own) {
+  for (i64 c0 = (base + e0) - (base + e0) % chunk; c0 < base + e1; c0 += chunk) {
+    const i64 a = std::max(base + e0, c0) - base, b = std::min(base + e1, c0 + chunk) - base;
+    const float iv = inv[c0 / chunk], st = step[c0 / chunk];
+    if (wb == 8) ss_quantize_block<8>(x, a, b, base, iv, st, L, key, q, own);
+    else ss_quantize_block<32>(x, a, b, base, iv, st, L, key, q, own);
+  }
+}
+
+void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
+                     const float* step, float* out) {
+  for (i64 c0 = (base + e0) - (base + e0) % chunk; c0 < base + e1; c0 += chunk) {
+    const i64 a = std::max(base + e0, c0) - base, b = std::min(base + e1, c0 + chunk) - base;
     const float st = step[c0 / chunk];
     if (wb == 8)
-      for (i64 i = a; i < b; ++i) out[i] = (float)((const int8_t*)q)[i] * st;
+      for (i64 j = a; j < b; ++j) out[j] = (float)((const int8_t*)q)[j] * st;
     else
-      for (i64 i = a; i < b; ++i) out[i] = (float)((const int32_t*)q)[i] * st;
+      for (i64 j = a; j < b; ++j) out[j] = (float)((const int32_t*)q)[j] * st;
   }
 }
 
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
-API int cp_abi_version() { return 1; }
+API int cp_abi_version() { return 2; }
 
 API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
                         u8* packed, int nth) {
@@ -596,19 +606,21 @@ API int cp_topk_exact(const void* x, int dt, i64 n, i64 k, u32* out_idx, void* o
   return topk_exact<1>(x, n, k, out_idx, out_vals, idx, raw, comp, cap, nth);  // 16-bit keys
 }
 
-API void cp_ss_quantize(const float* x, i64 n, i64 chunk, const float* inv, const float* step,
-                        float L, u32 key, int wb, void* q, float* own, int nth) {
+// x, q, own (and q, out) point at a part of n elements that starts at bucket element `base`;
+// inv and step are the whole bucket's per-chunk arrays
+API void cp_ss_quantize(const float* x, i64 n, i64 base, i64 chunk, const float* inv,
+                        const float* step, float L, u32 key, int wb, void* q, float* own, int nth) {
   const i64 U = 1 << 16;
   parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
-    ss_quantize_range(x, u0 * U, std::min(n, u1 * U), chunk, inv, step, L, key, wb, q, own);
+    ss_quantize_range(x, base, u0 * U, std::min(n, u1 * U), chunk, inv, step, L, key, wb, q, own);
   });
 }
 
-API void cp_ss_decode(const void* q, int wb, i64 n, i64 chunk, const float* step, float* out,
-                      int nth) {
+API void cp_ss_decode(const void* q, int wb, i64 n, i64 base, i64 chunk, const float* step,
+                      float* out, int nth) {
   const i64 U = 1 << 16;
   parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
-    ss_decode_range(q, wb, u0 * U, std::min(n, u1 * U), chunk, step, out);
+    ss_decode_range(q, wb, base, u0 * U, std::min(n, u1 * U), chunk, step, out);
   });
 }
 
@@ -652,6 +664,30 @@ API void cp_ef_update(const float* x, const float* own, float* r, float* u, i64 
       }
     } else {
       for (i64 i = u0 * U; i < e1; ++i) r[i] = x[i] - own[i];
+    }
+  });
+}
+
+// random-k's shared indices (compressors/randomk.py: shared_indices): out[i] = the keyed
+// bijection of m-bit integers applied to i, cycle-walked until < numel (the orbit returns to
+// i < numel, so the walk ends); the same integer arithmetic as the torch twin.
+API void cp_randomk_indices(i64 numel, i64 k, int m, u64 k1, u64 k2, i64* out, int nth) {
+  const u64 mask = m >= 64 ? ~0ull : ((1ull << m) - 1), A = 0x2545F491ull, B = 0x6C8E9CF5ull;
+  const int sh = (m + 1) / 2;
+  const i64 U = 1 << 14;
+  parallel_for(nth, (k + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    const i64 e1 = std::min(k, u1 * U);
+    for (i64 i = u0 * U; i < e1; ++i) {
+      u64 y = (u64)i;
+      do {
+        y = (y ^ k1) & mask;
+        y = (y * A) & mask;
+        y ^= y >> sh;
+        y = (y * B) & mask;
+        y ^= y >> sh;
+        y = (y + k2) & mask;
+      } while (y >= (u64)numel);
+      out[i] = (i64)y;
     }
   });
 }

@@ -193,6 +193,35 @@ def check_mismatch(comm, name, spec):
     return raised
 
 
+def check_shared_scale_parts(comm, n=10007, spec="qsgd:bits=8,chunk=128"):
+    """The pipelined shared_scale round (its integer allreduce cut in parts, each decoded as
+    it arrives) gives the bits of the one-part round, on every rank, for fp32 and fp16
+    buckets; returns the part counts used."""
+    import importlib
+    mod = importlib.import_module("comms.algorithms.shared_scale")
+    c = compressors.from_spec(spec)
+    counts = []
+    for dtype in (torch.float32, torch.float16):
+        xs = inputs(comm.world_size, n, 5, dtype)
+        ctx = compressors.Context(numel=n, dtype=dtype, step=4, bucket=2, rank=comm.rank, seed=3)
+        results = []
+        for part_bytes in (1 << 40, 1000, 4096):
+            mod.PART_BYTES = part_bytes
+            counts.append(len(mod.part_bounds(n, c.chunk, torch.int8)))
+            total, own = ALGORITHMS["shared_scale"](comm, c, xs[comm.rank].clone(), ctx, {}).wait()
+            assert _equal_everywhere(comm, total), f"{dtype}, parts of {part_bytes} B: replicas differ"
+            results.append((total.clone(), own.clone()))
+        mod.PART_BYTES = 4 << 20
+        for total, own in results[1:]:
+            assert torch.equal(total, results[0][0]) and torch.equal(own, results[0][1]), dtype
+    return counts
+
+
+def gloo_shared_scale_parts(rank, world):
+    from comms import TorchCommunicator
+    return check_shared_scale_parts(TorchCommunicator())
+
+
 def gloo_matrix(rank, world, cases, n, dtypes, seeds):
     from comms import TorchCommunicator
     torch.set_num_threads(1)

@@ -37,6 +37,13 @@ def test_half_precision_buckets():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_scale_parts_keep_the_bits(world):
+    counts = spawn(algo_ranks.gloo_shared_scale_parts, world, timeout=100)
+    assert counts[0] == [1, 12, 3] * 2  # one part, then 896- and 4096-element parts of 10007
+
+
+@pytest.mark.timeout(120)
 def test_unbiased_over_seeds():
     for (mean_err, single) in spawn(algo_ranks.gloo_unbiased, 2, timeout=100)[0]:
         assert mean_err < 0.3 * single

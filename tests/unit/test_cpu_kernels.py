@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import compressors.topk as topk_mod
-from compressors import QSGD, Context, ScaledSign, TopK, cpu_kernels
+from compressors import QSGD, Context, RandomK, ScaledSign, TopK, cpu_kernels
+from compressors.randomk import shared_indices
 from unit_reference import topk_exact_compress
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -67,6 +68,8 @@ def _same(a, b):
 
 
 def _roundtrip(c, x, ctx):
+    if isinstance(c, RandomK):
+        c._cache = None  # its indices are cached per step: recompute them on this path
     p = c.compress(x, ctx)
     n = x.numel()
     dec = c.decompress(p, ctx)
@@ -77,7 +80,21 @@ def _roundtrip(c, x, ctx):
 
 CODECS = [QSGD(8), QSGD(4), QSGD(2), QSGD(1), QSGD(8, chunk=7), QSGD(2, chunk=3000),
           ScaledSign(), ScaledSign(5), ScaledSign(2048), ScaledSign(40000), TopK(0.01), TopK(0.3),
-          TopK(1.0)]
+          TopK(1.0), RandomK(0.01), RandomK(0.3, seed=5), RandomK(1.0)]
+
+
+@pytest.mark.parametrize("numel,k", [(1, 1), (3, 2), (10007, 101), (1 << 20, 1 << 20),
+                                     (25_000_000, 250_000), (70_003, 7)])
+def test_randomk_indices_compiled_equals_torch(numel, k, fallback):
+    """cp_randomk_indices: the torch twin's integers (a keyed bijection, cycle-walked)."""
+    if cpu_kernels.lib() is None:
+        pytest.skip("no compiled kernels here")
+    for key in (0, 12345, 0xFFFFFFFF):
+        got = shared_indices(numel, k, key)
+        with fallback():
+            want = shared_indices(numel, k, key)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (numel, k, key)
+        assert int(got.max()) < numel and got.unique().numel() == k
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -200,12 +217,23 @@ def test_shared_scale_kernel_equals_reference(world, bits, threads, monkeypatch)
         own_ref[i * chunk:(i + 1) * chunk].mul_(step_ref[i])
     assert torch.equal(step.view(torch.int32), step_ref.view(torch.int32))
     assert torch.equal(own.view(torch.int32), own_ref.view(torch.int32))
+    # any part quantized alone gets the whole bucket's bits (the pipelined round's parts)
+    qp, ownp = torch.full_like(q, 99), torch.full_like(own, 7.0)
+    cuts = [0, 1, chunk - 3, chunk, 2 * chunk + 5, 9 * chunk, n - 7, n]
+    for lo, hi in zip(cuts, cuts[1:]):
+        quantize_cpu(x, chunk, scales, levels, wire, key, lo, hi, out=(qp, ownp))
+    assert torch.equal(qp, q_ref) and torch.equal(ownp.view(torch.int32), own_ref.view(torch.int32))
     summed = (q_ref.to(torch.int32) * 3).clamp(-levels * world, levels * world).to(wire)
     for dtype in (torch.float32, torch.bfloat16):
         ref = decode_reference(summed, chunk, step_ref, dtype)
         got = decode_cpu(summed, chunk, step_ref, dtype)
         assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                            ref.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    ref = decode_reference(summed, chunk, step_ref, torch.float32)
+    part_out = torch.full((n,), 5.0)
+    for lo, hi in zip(cuts, cuts[1:]):
+        decode_cpu(summed[lo:hi], chunk, step_ref, torch.float32, lo, part_out)
+    assert torch.equal(part_out.view(torch.int32), ref.view(torch.int32))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
