@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from compressors import Context
+from compressors.base import Deferred, materialized
 
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
 from .deadline import clean_message, failure
@@ -145,7 +146,10 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
                 lambda: alg.bucket_wire_bytes(compressor, ctx, world))
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
     try:
-        fut = alg(comm, compressor, x, ctx, state.store(index))
+        if alg.deferred_results:  # decodes written straight into the residual and x
+            fut = alg(comm, compressor, x, ctx, state.store(index), deferred=True)
+        else:
+            fut = alg(comm, compressor, x, ctx, state.store(index))
     except (RuntimeError, IndexError, OverflowError) as exc:
         # an intermediate round (waited in this thread) failed, or what it handed back does not
         # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
@@ -160,12 +164,15 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
         if state.error_feedback and mask:  # residual and masking in one pass
-            state.memory.update_masked_(index, x, own)
+            state.memory.update_masked_(index, x, materialized(own))
         elif state.error_feedback:
-            state.memory.update_(index, x, own)
+            state.memory.update_(index, x, own)  # a Deferred own: x - own in one pass
         elif mask:
-            state.memory.mask_velocity_(index, own)
-        x.copy_(total)
+            state.memory.mask_velocity_(index, materialized(own))
+        if isinstance(total, Deferred):
+            total.into_(x)  # decoded straight into the bucket (after the residual read x)
+        else:
+            x.copy_(total)
         return x
 
     return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter, what=what)

@@ -25,7 +25,8 @@ from typing import ClassVar, Sequence
 import torch
 
 __all__ = ["ScaledCodesDecoder", "ALIGNS", "check_align", "Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
-           "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty", "PayloadPool"]
+           "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty", "PayloadPool",
+           "Deferred", "materialized"]
 
 logger = logging.getLogger(__name__)
 
@@ -435,6 +436,33 @@ def _fmt(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return repr(v) if isinstance(v, float) else str(v)
+
+
+class Deferred:
+    """A bucket-sized decoded result not written anywhere yet.
+
+    Returned (for this rank's own contribution and the aggregate) by an algorithm called with
+    ``deferred=True`` (the hook, where the algorithm's ``deferred_results`` says it can): the
+    hook writes the residual ``x - own`` and the aggregate straight into their buffers, which
+    saves a bucket-sized temporary and a copy per result. Every method gives the bits of the
+    materialized tensor."""
+
+    def materialize(self) -> torch.Tensor:
+        """The values as a flat tensor of the bucket dtype."""
+        raise NotImplementedError
+
+    def into_(self, out: torch.Tensor) -> torch.Tensor:
+        """``out.copy_(self.materialize())``; returns ``out``."""
+        return out.copy_(self.materialize())
+
+    def residual_(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``torch.sub(x, self.materialize(), out=r)``; returns ``r``."""
+        return torch.sub(x, self.materialize().to(x.dtype), out=r)
+
+
+def materialized(t):
+    """``t`` as a tensor (a :class:`Deferred` is materialized)."""
+    return t.materialize() if isinstance(t, Deferred) else t
 
 
 ALIGNS = ("tensor", "flat")

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from . import cpu_kernels
-from .base import Compressor, Context
+from .base import Compressor, Context, Deferred
 
 __all__ = ["ErrorFeedback"]
 
@@ -60,11 +60,14 @@ class ErrorFeedback:
         return x
 
     def update_(self, bucket: int, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-        """Store ``x - decoded`` as the bucket's residual, reusing its buffer."""
+        """Store ``x - decoded`` as the bucket's residual, reusing its buffer (``decoded`` may
+        be a :class:`~compressors.base.Deferred`: written without a decoded temporary)."""
         r = self.residual(bucket, x)
         if r is None:
             r = torch.empty_like(x)
             self.residuals[bucket] = r
+        if isinstance(decoded, Deferred):
+            return decoded.residual_(x, r)
         torch.sub(x, decoded.to(x.dtype), out=r)
         return r
 

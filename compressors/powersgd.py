@@ -46,12 +46,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, check_input
+from . import cpu_kernels
+from .base import Compressor, Deferred, check_input
 from .hashrng import SHARED, stream_key, uniform
 from .registry import register
 from .reproducible import OUTER_BLOCK_ELEMS, outer_sum_into, tree_dot, tree_norm
 
-__all__ = ["PowerSGD", "PowerRound", "LayerPlan", "matrix_shape", "orthogonalize_",
+__all__ = ["PowerSGD", "PowerRound", "LayerPlan", "LayerDecode", "matrix_shape", "orthogonalize_",
            "orthogonalize_batched_"]
 
 logger = logging.getLogger(__name__)
@@ -276,15 +277,17 @@ class PowerSGD(Compressor):
     def _outer_scratch(self, cols: int, device) -> torch.Tensor:
         return self.workspace().get("outer", 2 * max(OUTER_BLOCK_ELEMS, cols), torch.float32, device)
 
-    def _layer_decode(self, plan: LayerPlan, pbuf, qbuf, ctx, dense_src=None) -> torch.Tensor:
+    def _layer_decode(self, plan: LayerPlan, pbuf, qbuf, ctx, dense_src=None,
+                      out=None) -> torch.Tensor:
         """``P Q^T`` of every matrix, and the uncompressed elements (from ``qbuf`` after its
-        factors, or from ``dense_src``), into a fresh flat tensor of ``ctx.dtype``.
+        factors, or from ``dense_src``), into a fresh flat tensor of ``ctx.dtype`` (or into
+        ``out``, flat and contiguous, of ``ctx.dtype``).
 
         The aggregate must be bitwise equal on every rank, so the products are summed in a
         fixed order (:func:`outer_sum_into`), never by BLAS; this rank's own part (for error
         feedback) is decoded the same way, so that at world size 1 it equals the aggregate."""
-        # reused memory once unreferenced (a fresh bucket-sized tensor page-faults: twice a step)
-        out = self.payload_pool().empty(ctx.numel, ctx.dtype, pbuf.device)
+        if out is None:  # reused memory once unreferenced (a fresh one page-faults: twice a step)
+            out = self.payload_pool().empty(ctx.numel, ctx.dtype, pbuf.device)
         for g in plan.groups:
             p, q = self._pv(pbuf, g), self._qv(qbuf, g)
             rc = g.rows * g.cols
@@ -405,6 +408,14 @@ class PowerSGD(Compressor):
                                       dense_src=rnd.x.reshape(-1) if own else None)
         return self._flat_decode(rnd.p, q_payload, rnd.ctx)
 
+    def deferred_decode(self, rnd: "PowerRound", q_payload: torch.Tensor,
+                        own: bool = False) -> "Deferred":
+        """:meth:`decode_round` not yet written anywhere (a :class:`LayerDecode`); the per-layer
+        form of an fp32 bucket only (else the decode, materialized now)."""
+        if rnd.plan is None or rnd.ctx.dtype != torch.float32:
+            return _Materialized(self.decode_round(rnd, q_payload, own))
+        return LayerDecode(self, rnd, q_payload, own)
+
     def keep(self, rnd: "PowerRound", q_payload: torch.Tensor, store: dict) -> None:
         """Remember the summed factors in ``store`` (warm start next step, checkpointed)."""
         store["powersgd_p"] = rnd.p
@@ -425,3 +436,63 @@ class PowerRound:
 
     def __init__(self, ctx, x, p, *, plan=None, mats=None, xf=None, m=None):
         self.ctx, self.x, self.p, self.plan, self.mats, self.xf, self.m = ctx, x, p, plan, mats, xf, m
+
+
+class _Materialized(Deferred):
+    """A decode that was materialized when it was asked for (the paths without a fused form)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def materialize(self) -> torch.Tensor:
+        return self.t
+
+
+class LayerDecode(Deferred):
+    """``P Q^T`` of a per-layer fp32 round (plus the uncompressed elements), written only when
+    the hook says where: :meth:`into_` straight into the bucket, :meth:`residual_` as
+    ``x - P Q^T`` in one compiled pass per matrix (``cp_outer_residual``) without the decoded
+    temporary. The bits of :meth:`PowerSGD.decode_round` (``test_powersgd_deferred_decode``)."""
+
+    __slots__ = ("c", "rnd", "qbuf", "own")
+
+    def __init__(self, c: PowerSGD, rnd: "PowerRound", qbuf: torch.Tensor, own: bool):
+        self.c, self.rnd, self.qbuf, self.own = c, rnd, qbuf, own
+
+    def _dense_src(self):
+        return self.rnd.x.reshape(-1) if self.own else None
+
+    def materialize(self) -> torch.Tensor:
+        return self.c._layer_decode(self.rnd.plan, self.rnd.p, self.qbuf, self.rnd.ctx, self._dense_src())
+
+    def into_(self, out: torch.Tensor) -> torch.Tensor:
+        flat = out.view(-1) if out.is_contiguous() else None
+        if flat is None or out.dtype != torch.float32 or flat.numel() != self.rnd.ctx.numel:
+            return out.copy_(self.materialize())
+        self.c._layer_decode(self.rnd.plan, self.rnd.p, self.qbuf, self.rnd.ctx, self._dense_src(), out=flat)
+        return out
+
+    def residual_(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        ck = cpu_kernels.lib(x, r, self.rnd.p, self.qbuf)
+        if (ck is None or x.dtype != torch.float32 or r.dtype != torch.float32
+                or not (x.is_contiguous() and r.is_contiguous())):
+            return super().residual_(x, r)
+        plan, xf, rf = self.rnd.plan, x.view(-1), r.view(-1)
+        nth = cpu_kernels.threads()
+        for g in plan.groups:
+            p, q = self.c._pv(self.rnd.p, g), self.c._qv(self.qbuf, g)
+            rc = g.rows * g.cols
+            for i, o in enumerate(g.offsets):
+                pi, qi = p[i], q[i]  # rows x r and r x cols, row-major views
+                if not (pi.is_contiguous() and qi.is_contiguous()):
+                    pi, qi = pi.contiguous(), qi.contiguous()
+                ck.cp_outer_residual(xf[o:].data_ptr(), rf[o:].data_ptr(), None, g.rows, g.cols,
+                                     g.r, pi.data_ptr(), qi.data_ptr(), nth)
+        pos = plan.q_numel
+        for o, n in plan.dense:  # own: those elements went as they are (x - x); else from Q
+            src = xf[o: o + n] if self.own else self.qbuf[pos: pos + n]
+            torch.sub(xf[o: o + n], src, out=rf[o: o + n])
+            pos += n
+        return r

@@ -56,8 +56,9 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _power_iteration(comm, compressor, x, ctx, store):
-    """Two allreduces (``P`` then ``Q``) of the power-iteration protocol; see the docstring."""
+def _power_iteration(comm, compressor, x, ctx, store, deferred=False):
+    """Two allreduces (``P`` then ``Q``) of the power-iteration protocol; see the docstring.
+    ``deferred``: the decodes come back as :class:`compressors.base.Deferred` results."""
     rnd = compressor.first_round(x, ctx, store)
     if rnd is None:  # nothing worth factorizing: dense, own == x so the residual is zero
         wire = buffers.empty(x.numel(), x.dtype, x.device).copy_(x.detach().reshape(-1))
@@ -67,11 +68,16 @@ def _power_iteration(comm, compressor, x, ctx, store):
     q = compressor.second_round(rnd)
     q_own = compressor.q_factors(rnd, q).clone()  # the allreduce sums q in place
     fut = comm.all_reduce(q)
-    own = compressor.decode_round(rnd, q_own, own=True)  # overlaps the Q round
+    if deferred:  # written by the hook where they go (no decoded temporaries)
+        own = compressor.deferred_decode(rnd, q_own, own=True)
+    else:
+        own = compressor.decode_round(rnd, q_own, own=True)  # overlaps the Q round
 
     def done(f):
         summed = f.value()
         compressor.keep(rnd, summed, store)
+        if deferred:
+            return compressor.deferred_decode(rnd, summed), own
         return compressor.decode_round(rnd, summed), own
 
     return fut.then(done)
@@ -82,10 +88,13 @@ class Allreduce(Algorithm):
 
     name = "allreduce"
     family = "allreduce"
+    deferred_results = True  # PowerSGD's decodes can come back unwritten (see __call__)
 
-    def __call__(self, comm, compressor, x, ctx, store):
+    def __call__(self, comm, compressor, x, ctx, store, deferred=False):
+        """``deferred`` (the hook): a two-round compressor's ``(sum, own)`` may come back as
+        :class:`compressors.base.Deferred` results; single-round compressors ignore it."""
         if compressor.allreduce_rounds == 2:
-            return _power_iteration(comm, compressor, x, ctx, store)
+            return _power_iteration(comm, compressor, x, ctx, store, deferred)
         payload = compressor.compress(x, ctx)
         own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
         dtypes = {t.dtype for t in payload}

@@ -61,6 +61,9 @@ class Algorithm:
     name: str = ""
     family: str = ""
     hierarchical: bool = False
+    #: ``__call__`` takes ``deferred=True`` and may then return ``(sum, own)`` as
+    #: :class:`compressors.base.Deferred` results (written by the hook where they go)
+    deferred_results: bool = False
 
     def __call__(self, comm, compressor, x, ctx, store):
         raise NotImplementedError
