@@ -11,6 +11,7 @@ layouts for resume are tracked by :mod:`comms.layouts`. Guarantees are listed in
 
 
 import logging
+import struct
 
 import torch
 import torch.distributed as dist
@@ -120,9 +121,12 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     bound = state.residual_bound
     # the division, momentum correction and the residual, written into x once (same bits as
     # in turn)
-    fused = state.error_feedback and bound is None and state.momentum is not None and state.clip_norm is None
-    if fused:
+    fused = state.error_feedback and bound is None and state.clip_norm is None
+    state.memory.last_amax = None
+    if fused and state.momentum is not None:
         state.memory.momentum_residual_(index, x, state.momentum, world)
+    elif fused:  # the division and the residual in one pass
+        state.memory.div_residual_(index, x, world)
     else:
         _local_(state, index, x, world)
     if state.error_feedback and not fused:
@@ -139,7 +143,11 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce
     # a plain sum (no float64 copy of the bucket): NaN/Inf anywhere makes it non-finite; a
     # finite bucket whose sum overflows fp32 (|sum| > 3e38) is flagged too, which is right
-    flag = ~torch.isfinite(x.sum(dtype=torch.float32))  # fp16 sums would overflow at 65504
+    amax = state.memory.last_amax if fused and not switched else None
+    if amax is not None:  # the compiled pass that wrote x saw its largest |x|: no extra pass
+        flag = torch.tensor(_nonfinite_or_overflows(amax, x.numel()))
+    else:
+        flag = ~torch.isfinite(x.sum(dtype=torch.float32))  # fp16 sums would overflow at 65504
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
                   bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
     record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, alg.name,
@@ -176,6 +184,18 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         return x
 
     return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter, what=what)
+
+
+_FP32_MAX = 3.4028234663852886e38
+
+
+def _nonfinite_or_overflows(amax_bits: int, n: int) -> bool:
+    """The hook's flag from the largest ``|x|`` (its fp32 bits): NaN or inf in the bucket, or
+    ``n * max|x|`` beyond fp32's range (a sum that could overflow; the torch path's check is
+    ``~isfinite(x.sum())``, which flags a subset of those)."""
+    if amax_bits >= 0x7F800000:
+        return True
+    return struct.unpack("<f", struct.pack("<I", amax_bits))[0] * n > _FP32_MAX
 
 
 def _round_failure(what: str, exc: BaseException) -> BaseException:

@@ -115,7 +115,7 @@ def _declare(c) -> None:
     c.cp_ss_quantize.restype = None
     c.cp_ss_decode.argtypes = [P, I, I64, I64, I64, P, P, I]
     c.cp_ss_decode.restype = None
-    c.cp_momentum.argtypes = [P, P, P, I64, F, F, I]
+    c.cp_momentum.argtypes = [P, P, P, I64, F, F, P, I]
     c.cp_momentum.restype = None
     c.cp_ef_update.argtypes = [P, P, P, P, I64, I]
     c.cp_ef_update.restype = None
@@ -123,6 +123,8 @@ def _declare(c) -> None:
     c.cp_randomk_indices.restype = None
     c.cp_outer_residual.argtypes = [P, P, P, I64, I64, I, P, P, I]
     c.cp_outer_residual.restype = None
+    c.cp_div_add.argtypes = [P, P, I64, F, P, I]
+    c.cp_div_add.restype = None
 
 
 def enabled() -> bool:

@@ -13,6 +13,7 @@ collective or on this rank's own decoded payload, so it is private arithmetic
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Sequence
 
@@ -35,11 +36,14 @@ class ErrorFeedback:
     world size).
     """
 
-    __slots__ = ("residuals", "velocities")
+    __slots__ = ("residuals", "velocities", "last_amax")
 
     def __init__(self):
         self.residuals: dict[int, torch.Tensor] = {}
         self.velocities: dict[int, torch.Tensor] = {}
+        #: fp32 bits of the largest ``|x|`` the last compiled momentum / residual pass wrote
+        #: (``None``: the torch path ran); the hook's non-finite check without another pass
+        self.last_amax: int | None = None
 
     def residual(self, bucket: int, like: torch.Tensor) -> torch.Tensor | None:
         r = self.residuals.get(bucket)
@@ -87,7 +91,8 @@ class ErrorFeedback:
         x. ``mul_`` then ``add_``: two roundings, like ``torch.optim.SGD``'s
         ``buf.mul_(m).add_(g)``. One compiled pass over fp32 CPU buckets (same bits)."""
         u = self.velocity(bucket, x)
-        if u is not None and _fused(x, u, None, div, momentum):
+        if u is not None and (amax := _fused(x, u, None, div, momentum)) is not None:
+            self.last_amax = amax
             return x
         if div != 1:
             x.div_(div)
@@ -105,12 +110,28 @@ class ErrorFeedback:
         u, r = self.velocity(bucket, x), self.residual(bucket, x)
         if u is None or r is None:
             return self.add_residual_(bucket, self.momentum_(bucket, x, momentum, div))
-        if _fused(x, u, r, div, momentum):
+        if (amax := _fused(x, u, r, div, momentum)) is not None:
+            self.last_amax = amax
             return x
         if div != 1:
             x.div_(div)
         u.mul_(momentum).add_(x)
         return torch.add(u, r, out=x)
+
+    def div_residual_(self, bucket: int, x: torch.Tensor, div: int = 1) -> torch.Tensor:
+        """``x <- x / div + residual`` in place (``x.div_(div)`` then :meth:`add_residual_`), in
+        one compiled pass over fp32 CPU buckets (same bits); returns x."""
+        r = self.residual(bucket, x)
+        c = None if r is None else _kernel_lib(x, r)
+        if c is None:
+            if div != 1:
+                x.div_(div)
+            return self.add_residual_(bucket, x)
+        amax = ctypes.c_uint32(0)
+        c.cp_div_add(x.data_ptr(), r.data_ptr(), x.numel(), float(div), ctypes.addressof(amax),
+                     cpu_kernels.threads())
+        self.last_amax = amax.value
+        return x
 
     def update_masked_(self, bucket: int, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
         """:meth:`update_` then :meth:`mask_velocity_` with ``decoded`` as ``sent``, in one
@@ -177,15 +198,18 @@ def _kernel_lib(*ts: torch.Tensor):
     return cpu_kernels.lib(*ts)
 
 
-def _fused(x: torch.Tensor, u: torch.Tensor, r: torch.Tensor | None, div: int, momentum: float) -> bool:
+def _fused(x: torch.Tensor, u: torch.Tensor, r: torch.Tensor | None, div: int,
+           momentum: float) -> int | None:
     """``x / div``, the velocity update and ``x <- u (+ r)`` in one compiled pass (fp32 CPU,
-    contiguous); False where the torch path must do it. The bits are the torch path's
+    contiguous); returns the fp32 bits of the largest ``|x|`` written, or None where the
+    torch path must do it. The bits are the torch path's
     (tests/unit/test_cpu_kernels.py): the pass exists because the torch path reads and writes
     a bucket-sized tensor four to five times (div, mul, add, copy), which on a 25M-parameter
     bucket is tens of ms per step even where auto locked dense."""
     c = _kernel_lib(*((x, u) if r is None else (x, u, r)))
     if c is None:
-        return False
+        return None
+    amax = ctypes.c_uint32(0)
     c.cp_momentum(x.data_ptr(), u.data_ptr(), None if r is None else r.data_ptr(), x.numel(),
-                  float(div), float(momentum), cpu_kernels.threads())
-    return True
+                  float(div), float(momentum), ctypes.addressof(amax), cpu_kernels.threads())
+    return amax.value

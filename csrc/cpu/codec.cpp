@@ -627,16 +627,26 @@ API void cp_ss_decode(const void* q, int wb, i64 n, i64 base, i64 chunk, const f
 // DGC momentum correction in one pass (fp32): x <- x / div; u <- u * m + x; x <- u (+ r).
 // The torch twin is ErrorFeedback.momentum_ / momentum_residual_ after x.div_(div): the
 // same three or four roundings, in that order.
-API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float m, int nth) {
+// amax (if not null): the largest |x| written, as its fp32 bits (NaN above inf; an unsigned
+// max, so the loop still vectorizes) — the hook's non-finite check, read here instead of in
+// one more pass over the bucket.
+API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float m, u32* amax,
+                     int nth) {
   const i64 U = 1 << 16;
-  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+  const i64 units = (n + U - 1) / U;
+  std::vector<u32> part(std::max(1, nth), 0u);
+  parallel_for(nth, units, [&](i64 u0, i64 u1, int t) {
     const i64 e1 = std::min(n, u1 * U);
+    u32 mx = 0;
     if (r) {
       for (i64 i = u0 * U; i < e1; ++i) {
         float v = u[i] * m;
         v = v + x[i] / div;
         u[i] = v;
-        x[i] = v + r[i];
+        const float w = v + r[i];
+        x[i] = w;
+        u32 b; std::memcpy(&b, &w, 4); b &= 0x7fffffffu;
+        mx = b > mx ? b : mx;
       }
     } else {
       for (i64 i = u0 * U; i < e1; ++i) {
@@ -644,9 +654,13 @@ API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float
         v = v + x[i] / div;
         u[i] = v;
         x[i] = v;
+        u32 b; std::memcpy(&b, &v, 4); b &= 0x7fffffffu;
+        mx = b > mx ? b : mx;
       }
     }
+    part[t] = mx;
   });
+  if (amax) { u32 a = 0; for (u32 p : part) a = p > a ? p : a; *amax = a; }
 }
 
 // The error-feedback update after a sparsifier's round, with DGC's momentum factor masking, in
@@ -723,4 +737,24 @@ API void cp_outer_residual(const float* x, float* res, float* out, i64 rows, i64
       }
     }
   });
+}
+
+// This rank's share plus its residual in one pass (fp32): x <- x / div + r. The torch twin is
+// x.div_(div) then x.add_(r): the same two roundings, in that order.
+API void cp_div_add(float* x, const float* r, i64 n, float div, u32* amax, int nth) {
+  const i64 U = 1 << 16;
+  std::vector<u32> part(std::max(1, nth), 0u);
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int t) {
+    const i64 e1 = std::min(n, u1 * U);
+    u32 mx = 0;
+    for (i64 i = u0 * U; i < e1; ++i) {
+      float v = x[i] / div;
+      v = v + r[i];
+      x[i] = v;
+      u32 b; std::memcpy(&b, &v, 4); b &= 0x7fffffffu;
+      mx = b > mx ? b : mx;
+    }
+    part[t] = mx;
+  });
+  if (amax) { u32 a = 0; for (u32 p : part) a = p > a ? p : a; *amax = a; }
 }

@@ -274,6 +274,37 @@ def test_momentum_pass_equals_torch_steps(world, momentum, threads, fallback, mo
                 ref.update_(bucket, xr, own)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_div_residual_pass_equals_torch_steps(world, threads, fallback, monkeypatch):
+    """``x <- x / world + r`` in one compiled pass: the bits of ``x.div_(world)`` then
+    ``add_residual_``, incl. -0, denormals, inf and NaN, over three steps (the first has no
+    residual yet)."""
+    from compressors.error_feedback import ErrorFeedback
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(world + 10 * threads)
+    fast, ref = ErrorFeedback(), ErrorFeedback()
+    for step in range(3):
+        x = torch.randn(200_003, generator=g) * 10.0 ** (step - 1)
+        x[::89] = -0.0
+        x[5::1009] = 1e-41
+        if step == 2:
+            x[7], x[8], x[9] = float("inf"), float("nan"), -float("inf")
+        xf, xr = x.clone(), x.clone()
+        fast.last_amax = None
+        fast.div_residual_(0, xf, world)
+        with fallback():
+            xr.div_(world)
+            ref.add_residual_(0, xr)
+        assert torch.equal(xf.view(torch.int32), xr.view(torch.int32)), step
+        if step:  # the compiled pass (from the second step: a residual exists) saw max |x|
+            assert fast.last_amax == int((xr.view(torch.int32) & 0x7FFFFFFF).max()), step
+        own = torch.where(xr.abs() > 0.5, xr, torch.zeros_like(xr))
+        fast.update_(0, xf, own)
+        ref.update_(0, xr, own)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_velocity", [True, False])
 def test_ef_update_with_masking_equals_torch_steps(threads, with_velocity, fallback, monkeypatch):
@@ -307,3 +338,17 @@ def test_ef_update_with_masking_equals_torch_steps(threads, with_velocity, fallb
             assert int((fast.velocities[0] == 0).sum()) >= int((own != 0).sum())
         else:
             assert 0 not in fast.velocities
+
+
+def test_hook_flag_from_the_pass_max():
+    """The hook's non-finite flag from the fused pass's max |x| bits: NaN and inf flag, and so
+    does a finite bucket whose sum could leave fp32's range; ordinary values do not."""
+    import struct
+
+    from comms.hook import _nonfinite_or_overflows as flag
+
+    bits = lambda v: struct.unpack("<I", struct.pack("<f", v))[0]  # noqa: E731
+    assert flag(0x7F800000, 10) and flag(0x7FC00000, 10)  # inf, NaN
+    assert not flag(bits(3.0e38), 1) and flag(bits(3.0e38), 2)
+    assert not flag(bits(1.0), 25_000_000) and not flag(0, 5)
+    assert flag(bits(1e31), 100_000_000) and not flag(bits(1e30), 100_000_000)
