@@ -140,9 +140,9 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
-    # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce
-    # a plain sum (no float64 copy of the bucket): NaN/Inf anywhere makes it non-finite; a
-    # finite bucket whose sum overflows fp32 (|sum| > 3e38) is flagged too, which is right
+    # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce.
+    # NaN/Inf anywhere flags the bucket, and so does a finite one whose sum may overflow fp32:
+    # from the max |x| the compiled pass saw, else a plain sum (no float64 copy of the bucket)
     amax = state.memory.last_amax if fused and not switched else None
     if amax is not None:  # the compiled pass that wrote x saw its largest |x|: no extra pass
         flag = torch.tensor(_nonfinite_or_overflows(amax, x.numel()))
@@ -154,10 +154,9 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
                 lambda: alg.bucket_wire_bytes(compressor, ctx, world))
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
     try:
-        if alg.deferred_results:  # decodes written straight into the residual and x
-            fut = alg(comm, compressor, x, ctx, state.store(index), deferred=True)
-        else:
-            fut = alg(comm, compressor, x, ctx, state.store(index))
+        # deferred: decodes written straight into the residual and x (see finish)
+        kw = {"deferred": True} if alg.deferred_results else {}
+        fut = alg(comm, compressor, x, ctx, state.store(index), **kw)
     except (RuntimeError, IndexError, OverflowError) as exc:
         # an intermediate round (waited in this thread) failed, or what it handed back does not
         # decode: gloo can return garbage instead of an error once a peer is gone. Raised from

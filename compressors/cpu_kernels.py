@@ -121,7 +121,7 @@ def _declare(c) -> None:
     c.cp_ef_update.restype = None
     c.cp_randomk_indices.argtypes = [I64, I64, I, ctypes.c_uint64, ctypes.c_uint64, P, I]
     c.cp_randomk_indices.restype = None
-    c.cp_outer_residual.argtypes = [P, P, P, I64, I64, I, P, P, I]
+    c.cp_outer_residual.argtypes = [P, P, I64, I64, I, P, P, I]
     c.cp_outer_residual.restype = None
     c.cp_div_add.argtypes = [P, P, I64, F, P, I]
     c.cp_div_add.restype = None

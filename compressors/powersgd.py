@@ -488,7 +488,7 @@ class LayerDecode(Deferred):
                 pi, qi = p[i], q[i]  # rows x r and r x cols, row-major views
                 if not (pi.is_contiguous() and qi.is_contiguous()):
                     pi, qi = pi.contiguous(), qi.contiguous()
-                ck.cp_outer_residual(xf[o:].data_ptr(), rf[o:].data_ptr(), None, g.rows, g.cols,
+                ck.cp_outer_residual(xf[o:].data_ptr(), rf[o:].data_ptr(), g.rows, g.cols,
                                      g.r, pi.data_ptr(), qi.data_ptr(), nth)
         pos = plan.q_numel
         for o, n in plan.dense:  # own: those elements went as they are (x - x); else from Q

@@ -68,17 +68,14 @@ def _power_iteration(comm, compressor, x, ctx, store, deferred=False):
     q = compressor.second_round(rnd)
     q_own = compressor.q_factors(rnd, q).clone()  # the allreduce sums q in place
     fut = comm.all_reduce(q)
-    if deferred:  # written by the hook where they go (no decoded temporaries)
-        own = compressor.deferred_decode(rnd, q_own, own=True)
-    else:
-        own = compressor.decode_round(rnd, q_own, own=True)  # overlaps the Q round
+    # deferred: written later by the hook where they go (no decoded temporaries)
+    decode = compressor.deferred_decode if deferred else compressor.decode_round
+    own = decode(rnd, q_own, own=True)  # overlaps the Q round
 
     def done(f):
         summed = f.value()
         compressor.keep(rnd, summed, store)
-        if deferred:
-            return compressor.deferred_decode(rnd, summed), own
-        return compressor.decode_round(rnd, summed), own
+        return decode(rnd, summed), own
 
     return fut.then(done)
 

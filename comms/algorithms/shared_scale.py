@@ -134,6 +134,14 @@ def part_bounds(n: int, chunk: int, wire_dtype: torch.dtype) -> list[tuple[int, 
     return [(a, min(n, a + per)) for a in range(0, n, per)] or [(0, 0)]
 
 
+def _quantize_part(ck, xf, lo, hi, chunk, inv, step, levels, key, wire_dtype, q, own):
+    """``cp_ss_quantize`` of elements ``[lo, hi)`` of the bucket into ``q`` and ``own``."""
+    if hi > lo:
+        ck.cp_ss_quantize(xf[lo:].data_ptr(), hi - lo, lo, chunk, inv.data_ptr(), step.data_ptr(),
+                          float(levels), key & 0xFFFFFFFF, wire_dtype.itemsize * 8,
+                          q[lo:].data_ptr(), own[lo:].data_ptr(), cpu_kernels.threads())
+
+
 def quantize_cpu(xf, chunk, scales, levels, wire_dtype, key, lo=0, hi=None, out=None):
     """Step 2 in one pass of ``csrc/cpu/codec.cpp`` (``cp_ss_quantize``): ``(q, own, step)``
     with the bits of :func:`quantize_reference` (``own`` fp32 = its ``t * step``); ``None``
@@ -145,15 +153,11 @@ def quantize_cpu(xf, chunk, scales, levels, wire_dtype, key, lo=0, hi=None, out=
     if ck is None or xf.dtype != torch.float32 or not xf.is_contiguous():
         return None
     n = xf.numel()
-    hi = n if hi is None else hi
     inv, step = _inv_step(scales, levels)  # as the reference
     if out is None:
         out = (buffers.empty(n, wire_dtype, xf.device), buffers.empty(n, torch.float32, xf.device))
     q, own = out
-    if hi > lo:
-        ck.cp_ss_quantize(xf[lo:].data_ptr(), hi - lo, lo, chunk, inv.data_ptr(), step.data_ptr(),
-                          float(levels), key & 0xFFFFFFFF, wire_dtype.itemsize * 8,
-                          q[lo:].data_ptr(), own[lo:].data_ptr(), cpu_kernels.threads())
+    _quantize_part(ck, xf, lo, n if hi is None else hi, chunk, inv, step, levels, key, wire_dtype, q, own)
     return q, own, step
 
 
@@ -181,15 +185,16 @@ def _pipelined_cpu(comm, xf, chunk, scales, levels, wire_dtype, key, dtype):
     The bits of one whole-bucket quantize, allreduce and decode (the kernels index the hash
     and the chunk scales by bucket element; integer sums are exact). ``None`` where the
     compiled codec is not used."""
-    n = xf.numel()
-    first = quantize_cpu(xf, chunk, scales, levels, wire_dtype, key, 0, 0)
-    if first is None:
+    ck = cpu_kernels.lib(xf)
+    if ck is None or xf.dtype != torch.float32 or not xf.is_contiguous():
         return None
-    q, own, step = first
+    n = xf.numel()
+    inv, step = _inv_step(scales, levels)
+    q, own = buffers.empty(n, wire_dtype, xf.device), buffers.empty(n, torch.float32, xf.device)
     dec = buffers.empty(n, torch.float32, xf.device)
     futs = []
     for a, b in part_bounds(n, chunk, wire_dtype):
-        quantize_cpu(xf, chunk, scales, levels, wire_dtype, key, a, b, out=(q, own))
+        _quantize_part(ck, xf, a, b, chunk, inv, step, levels, key, wire_dtype, q, own)
 
         def decode_part(f, a=a):
             summed = f.value()  # gloo: q[a:b] summed in place; other communicators: a new tensor

@@ -706,24 +706,19 @@ API void cp_randomk_indices(i64 numel, i64 k, int m, u64 k1, u64 k2, i64* out, i
   });
 }
 
-// PowerSGD's decode of one matrix, P Q^T (p: rows x r, q: r x cols, both row-major), summed in
-// the order of compressors/reproducible.py's outer_sum_into: acc = p0 q0, then acc = acc + pk qk,
-// each product and sum rounded once; res (if not null) <- x - acc, out (if not null) <- acc.
-// The fused residual saves writing and re-reading a bucket-sized decoded temporary.
-API void cp_outer_residual(const float* x, float* res, float* out, i64 rows, i64 cols, int r,
-                           const float* p, const float* q, int nth) {
+// The error-feedback residual of PowerSGD's own factors for one matrix, res <- x - P Q^T
+// (p: rows x r, q: r x cols, both row-major), P Q^T summed in the order of
+// compressors/reproducible.py's outer_sum_into: acc = p0 q0, then acc = acc + pk qk, each
+// product and sum rounded once. Saves writing and re-reading a bucket-sized decoded temporary.
+API void cp_outer_residual(const float* x, float* res, i64 rows, i64 cols, int r, const float* p,
+                           const float* q, int nth) {
   parallel_for(nth, rows, [&](i64 i0, i64 i1, int) {
     for (i64 i = i0; i < i1; ++i) {
       const float* pi = p + i * r;
       const float p0 = pi[0];
       const i64 o = i * cols;
       if (r == 1) {  // the default rank: one product per element, vectorized
-        if (res && out)
-          for (i64 j = 0; j < cols; ++j) { const float a = p0 * q[j]; res[o + j] = x[o + j] - a; out[o + j] = a; }
-        else if (res)
-          for (i64 j = 0; j < cols; ++j) { const float a = p0 * q[j]; res[o + j] = x[o + j] - a; }
-        else if (out)
-          for (i64 j = 0; j < cols; ++j) out[o + j] = p0 * q[j];
+        for (i64 j = 0; j < cols; ++j) { const float a = p0 * q[j]; res[o + j] = x[o + j] - a; }
         continue;
       }
       for (i64 j = 0; j < cols; ++j) {
@@ -732,8 +727,7 @@ API void cp_outer_residual(const float* x, float* res, float* out, i64 rows, i64
           float t = pi[k] * q[k * cols + j];
           acc = acc + t;
         }
-        if (res) res[o + j] = x[o + j] - acc;
-        if (out) out[o + j] = acc;
+        res[o + j] = x[o + j] - acc;
       }
     }
   });
