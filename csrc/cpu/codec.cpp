@@ -11,6 +11,9 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef int64_t i64;
 typedef uint64_t u64;
@@ -235,6 +238,23 @@ template <int L, class A> void multi_row_sum(const A& a, i64 size, float out[4][
 template <int W> float torch_sum(const float* a, i64 n);
 
 template <int W, int DT> float torch_abs_sum(const void* x, i64 off, i64 n) {
+  const i64 V0 = n / W, S0 = V0 / 4;
+  if (n >= W && S0 < 16) {  // torch_sum's four-accumulator path, |x| read in place (no copy)
+    float part[4][W];
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < W; ++l) part[k][l] = 0.0f;
+    for (i64 i = 0; i < S0; ++i)
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < W; ++l) part[k][l] += std::fabs(load<DT>(x, off + (i * 4 + k) * W + l));
+    for (i64 v = S0 * 4; v < V0; ++v)
+      for (int l = 0; l < W; ++l) part[0][l] += std::fabs(load<DT>(x, off + v * W + l));
+    for (int k = 1; k < 4; ++k)
+      for (int l = 0; l < W; ++l) part[0][l] += part[k][l];
+    float fin = 0.0f;
+    for (i64 j = V0 * W; j < n; ++j) fin += std::fabs(load<DT>(x, off + j));
+    for (int l = 0; l < W; ++l) fin += part[0][l];
+    return 0.0f + fin;
+  }
   float buf[1024];
   if (n <= 1024) {
     for (i64 j = 0; j < n; ++j) buf[j] = std::fabs(load<DT>(x, off + j));
@@ -305,6 +325,33 @@ template <int W> float torch_sum(const float* a, i64 n) {
   return 0.0f + part[0][0];
 }
 
+// bit j of out (LSB first) = x[off + j] >= 0 (NaN: 0), L bits from a byte boundary (off % 8 == 0)
+template <int DT> void sign_bits(const void* x, i64 off, i64 L, u8* flags, u8* out) {
+  if (DT == 0) {  // eight compares make a byte; written so that the loop vectorizes
+    const float* p = static_cast<const float*>(x) + off;
+    const i64 full = L / 8;
+    i64 j = 0;
+#ifdef __AVX2__
+    const __m256 zero = _mm256_setzero_ps();
+    for (; j < full; ++j)  // _CMP_GE_OQ: false for NaN, true for -0, as the scalar compare
+      out[j] = (u8)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + 8 * j), zero, _CMP_GE_OQ));
+#endif
+    for (; j < full; ++j) {
+      u32 b = 0;
+      for (int l = 0; l < 8; ++l) b |= (u32)(p[8 * j + l] >= 0.0f) << l;
+      out[j] = (u8)b;
+    }
+    if (L > full * 8) {
+      u32 b = 0;
+      for (i64 m = full * 8; m < L; ++m) b |= (u32)(p[m] >= 0.0f) << (m - full * 8);
+      out[full] = (u8)b;
+    }
+    return;
+  }
+  for (i64 i = 0; i < L; ++i) flags[i] = load<DT>(x, off + i) >= 0.0f;
+  pack_codes(flags, L, 1, out);
+}
+
 template <int W, int DT>
 void sign_encode(const void* x, i64 n, i64 chunk, float* scales, u8* packed, int nth) {
   const i64 U = unit_of(chunk);
@@ -321,11 +368,20 @@ void sign_encode(const void* x, i64 n, i64 chunk, float* scales, u8* packed, int
           const float sc = torch_abs_sum<W, DT>(x, c0, L) / (float)L;
           scales[c0 / chunk] = sc != sc ? bits_f32(0x7fc00000u) : sc;  // one canonical NaN
         }
-      for (i64 i = w0; i < w1; ++i) flags[i - w0] = load<DT>(x, i) >= 0.0f;
-      pack_codes(flags.data(), w1 - w0, 1, packed + w0 / 8);
+      sign_bits<DT>(x, w0, w1 - w0, flags.data(), packed + w0 / 8);
     }
   });
 }
+
+// m[b][l]: the sign bit when bit l of byte b is 0 (the code for -s)
+struct SignFlips {
+  u32 m[256][8];
+  SignFlips() {
+    for (int b = 0; b < 256; ++b)
+      for (int l = 0; l < 8; ++l) m[b][l] = ((b >> l) & 1) ? 0u : 0x80000000u;
+  }
+};
+const SignFlips& sign_flips() { static const SignFlips t; return t; }
 
 template <int ACC>
 void sign_decode_t(const float* s, const u8* packed, i64 n, i64 chunk, float* out, int nth) {
@@ -342,13 +398,21 @@ void sign_decode_t(const float* s, const u8* packed, i64 n, i64 chunk, float* ou
         f = ((f * 2.0f) - 1.0f) * sc;
         out[i] = ACC ? out[i] + f : f;
       }
-      for (; i + 8 <= c1; i += 8) {  // the reference's ops: ((2 * b) - 1) * s
-        const u32 b = packed[i >> 3];
+      // the reference's ((2 * b) - 1) * s is 1.0f * s or -1.0f * s: both products once per
+      // chunk (a NaN scale keeps its sign through either product, unlike -s), then a select
+      // -1.0f * s is s with its sign bit flipped, except that a NaN keeps its bits: so the
+      // code is a sign-bit mask from a byte -> 8 lanes table, and-ed off for a NaN scale
+      const float pos = 1.0f * sc;
+      u32 pb;
+      std::memcpy(&pb, &pos, 4);
+      const u32 fm = sc == sc ? 0x80000000u : 0u;
+      const SignFlips& T = sign_flips();
+      for (; i + 8 <= c1; i += 8) {
+        const u32* t = T.m[packed[i >> 3]];
         for (int m = 0; m < 8; ++m) {
-          float f = (float)((b >> m) & 1u);
-          f = f * 2.0f;
-          f = f - 1.0f;
-          f = f * sc;
+          const u32 w = pb ^ (t[m] & fm);
+          float f;
+          std::memcpy(&f, &w, 4);
           out[i + m] = ACC ? out[i + m] + f : f;
         }
       }
