@@ -172,6 +172,8 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
         if state.error_feedback and mask:  # residual and masking in one pass
             state.memory.update_masked_(index, x, materialized(own))
+        elif state.error_feedback and isinstance(own, Deferred) and isinstance(total, Deferred):
+            return state.memory.update_into_(index, x, own, total)  # x read once, written once
         elif state.error_feedback:
             state.memory.update_(index, x, own)  # a Deferred own: x - own in one pass
         elif mask:

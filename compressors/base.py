@@ -459,6 +459,12 @@ class Deferred:
         """``torch.sub(x, self.materialize(), out=r)``; returns ``r``."""
         return torch.sub(x, self.materialize().to(x.dtype), out=r)
 
+    def into_with_residual_(self, own: "Deferred", x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``own.residual_(x, r)`` then ``self.into_(x)`` (this is the aggregate, ``own`` this
+        rank's part of the same round); a subclass may do both in one pass. Returns ``x``."""
+        own.residual_(x, r)
+        return self.into_(x)
+
 
 def materialized(t):
     """``t`` as a tensor (a :class:`Deferred` is materialized)."""

@@ -92,7 +92,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     cdll = ctypes.CDLL(str(so))
     _declare(cdll)
-    if cdll.cp_abi_version() != 2:
+    if cdll.cp_abi_version() != 3:
         raise RuntimeError("stale codec library")
     return cdll
 
@@ -123,6 +123,8 @@ def _declare(c) -> None:
     c.cp_randomk_indices.restype = None
     c.cp_outer_residual.argtypes = [P, P, I64, I64, I, P, P, I]
     c.cp_outer_residual.restype = None
+    c.cp_outer_residual_into.argtypes = [P, P, I64, I64, I, P, P, P, I]
+    c.cp_outer_residual_into.restype = None
     c.cp_div_add.argtypes = [P, P, I64, F, P, I]
     c.cp_div_add.restype = None
 

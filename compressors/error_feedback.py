@@ -63,13 +63,22 @@ class ErrorFeedback:
             x.add_(r)
         return x
 
-    def update_(self, bucket: int, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-        """Store ``x - decoded`` as the bucket's residual, reusing its buffer (``decoded`` may
-        be a :class:`~compressors.base.Deferred`: written without a decoded temporary)."""
+    def _residual_buffer(self, bucket: int, x: torch.Tensor) -> torch.Tensor:
         r = self.residual(bucket, x)
         if r is None:
             r = torch.empty_like(x)
             self.residuals[bucket] = r
+        return r
+
+    def update_into_(self, bucket: int, x: torch.Tensor, own: Deferred, total: Deferred) -> torch.Tensor:
+        """``update_(bucket, x, own)`` then ``total`` written into ``x``, in one pass where the
+        decode has one (:meth:`~compressors.base.Deferred.into_with_residual_`); returns x."""
+        return total.into_with_residual_(own, x, self._residual_buffer(bucket, x))
+
+    def update_(self, bucket: int, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+        """Store ``x - decoded`` as the bucket's residual, reusing its buffer (``decoded`` may
+        be a :class:`~compressors.base.Deferred`: written without a decoded temporary)."""
+        r = self._residual_buffer(bucket, x)
         if isinstance(decoded, Deferred):
             return decoded.residual_(x, r)
         torch.sub(x, decoded.to(x.dtype), out=r)

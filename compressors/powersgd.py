@@ -496,3 +496,28 @@ class LayerDecode(Deferred):
             torch.sub(xf[o: o + n], src, out=rf[o: o + n])
             pos += n
         return r
+
+    def into_with_residual_(self, own: Deferred, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """The residual ``x - own`` and this aggregate written into ``x`` in one compiled pass
+        per matrix (``cp_outer_residual_into``): ``x`` is read and written once. The bits of
+        ``own.residual_(x, r)`` then ``self.into_(x)``."""
+        ck = cpu_kernels.lib(x, r, self.rnd.p, self.qbuf)
+        if (ck is None or not isinstance(own, LayerDecode) or own.rnd is not self.rnd or self.own
+                or x.dtype != torch.float32 or r.dtype != torch.float32
+                or not (x.is_contiguous() and r.is_contiguous()) or x.numel() != self.rnd.ctx.numel):
+            return super().into_with_residual_(own, x, r)
+        plan, xf, rf = self.rnd.plan, x.view(-1), r.view(-1)
+        nth = cpu_kernels.threads()
+        for g in plan.groups:
+            p, qo, qs = self.c._pv(self.rnd.p, g), self.c._qv(own.qbuf, g), self.c._qv(self.qbuf, g)
+            for i, o in enumerate(g.offsets):
+                pi, qoi, qsi = (t if t.is_contiguous() else t.contiguous() for t in (p[i], qo[i], qs[i]))
+                ck.cp_outer_residual_into(xf[o:].data_ptr(), rf[o:].data_ptr(), g.rows, g.cols,
+                                          g.r, pi.data_ptr(), qoi.data_ptr(), qsi.data_ptr(), nth)
+        pos = plan.q_numel
+        for o, n in plan.dense:  # the residual reads x before the aggregate overwrites it
+            src = xf[o: o + n] if own.own else own.qbuf[pos: pos + n]
+            torch.sub(xf[o: o + n], src, out=rf[o: o + n])
+            xf[o: o + n].copy_(self.qbuf[pos: pos + n])
+            pos += n
+        return x

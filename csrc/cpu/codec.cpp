@@ -634,7 +634,7 @@ void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
-API int cp_abi_version() { return 2; }
+API int cp_abi_version() { return 3; }
 
 API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
                         u8* packed, int nth) {
@@ -792,6 +792,40 @@ API void cp_outer_residual(const float* x, float* res, i64 rows, i64 cols, int r
           acc = acc + t;
         }
         res[o + j] = x[o + j] - acc;
+      }
+    }
+  });
+}
+
+// cp_outer_residual and the aggregate's decode in one pass (fp32): res <- x - P Qo^T, then
+// x <- P Qs^T (Qo: this rank's Q factors, Qs: the summed ones; both r x cols, row-major), each
+// product summed in outer_sum_into's order. x is read once and written once instead of being
+// read by the residual pass and rewritten by a separate decode.
+API void cp_outer_residual_into(float* x, float* res, i64 rows, i64 cols, int r, const float* p,
+                                const float* qo, const float* qs, int nth) {
+  parallel_for(nth, rows, [&](i64 i0, i64 i1, int) {
+    for (i64 i = i0; i < i1; ++i) {
+      const float* pi = p + i * r;
+      const float p0 = pi[0];
+      const i64 o = i * cols;
+      if (r == 1) {
+        for (i64 j = 0; j < cols; ++j) {
+          const float a = p0 * qo[j], b = p0 * qs[j];
+          res[o + j] = x[o + j] - a;
+          x[o + j] = b;
+        }
+        continue;
+      }
+      for (i64 j = 0; j < cols; ++j) {
+        float a = p0 * qo[j], b = p0 * qs[j];
+        for (int k = 1; k < r; ++k) {
+          float t = pi[k] * qo[k * cols + j];
+          a = a + t;
+          float u = pi[k] * qs[k * cols + j];
+          b = b + u;
+        }
+        res[o + j] = x[o + j] - a;
+        x[o + j] = b;
       }
     }
   });

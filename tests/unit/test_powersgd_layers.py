@@ -192,3 +192,15 @@ def test_powersgd_deferred_decode(rank, kernels, monkeypatch):
     assert torch.equal(bits(out), bits(total))
     assert torch.equal(bits(down.materialize()), bits(own))
     assert torch.equal(bits(dtotal.residual_(x, torch.empty(n))), bits(x - total))
+    # the residual and the aggregate in one pass (the hook's path): an aggregate whose Q and
+    # uncompressed elements differ from this rank's own, as they do at world size > 1
+    from compressors.powersgd import LayerDecode
+    q_sum = dtotal.qbuf * 1.5 - 0.25
+    agg = LayerDecode(c, dtotal.rnd, q_sum, False)
+    mine = LayerDecode(c, dtotal.rnd, down.qbuf, True)
+    xx, rr = x.clone(), torch.full((n,), 7.0)
+    assert agg.into_with_residual_(mine, xx, rr) is xx
+    want_r = torch.sub(x, mine.materialize())
+    assert torch.equal(bits(rr), bits(want_r))
+    assert torch.equal(bits(xx), bits(agg.materialize()))
+    assert not torch.equal(bits(agg.materialize()), bits(mine.materialize()))
