@@ -1,6 +1,11 @@
 """Autotune bench: DDP step time of ``algorithm="auto"`` against dense allreduce and every
 fixed (flat) algorithm of the same compressor, in one run, as ratios.
 
+Each round registers every configuration afresh (auto tunes again: one tuning per round).
+By default a round's configurations are measured interleaved (``--interleave B``: all built and
+warmed up, then blocks of B steps in turn), so that the ratios of one tuning compare steps
+taken seconds apart; ``--interleave 0`` measures them one after another as earlier runs did.
+
 For each compressor spec: ``dense`` (DDP's own allreduce), ``auto(<spec>)`` and
 ``<spec>@<alg>`` for every flat algorithm the compressor supports (the cost model proposes, the
 autotuner measures and locks). Step times come from :func:`ddp_step.measure` (median of
@@ -37,8 +42,8 @@ logger = logging.getLogger(__name__)
 
 COLUMNS = ["group", "hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB",
            "rounds_ms"]
-TUNING_COLUMNS = ["group", "round", "locked", "tuned", "auto_ms", "dense_ms", "best_fixed", "best_fixed_ms",
-                  "vs_dense", "vs_best_fixed"]
+TUNING_COLUMNS = ["group", "round", "locked", "tuned", "retuned", "auto_ms", "dense_ms", "best_fixed",
+                  "best_fixed_ms", "vs_dense", "vs_best_fixed"]
 # issue 12's targets for every tuning in steady state, and the decision's consistency
 MIN_VS_BEST_FIXED, MIN_VS_DENSE, MIN_SAME_DECISION = 0.95, 0.97, 0.8
 
@@ -55,6 +60,7 @@ def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list) -> list[
         a, d = times[auto_name][rnd], times["dense"][rnd]
         b = times[best][rnd] if best else float("nan")
         out.append({"group": spec_label, "round": rnd, "locked": row["algorithm"], "tuned": row.get("tuned", ""),
+                    "retuned": "yes" if row.get("retuned") else "-",
                     "auto_ms": a, "dense_ms": d, "best_fixed": best or "-", "best_fixed_ms": b,
                     "vs_dense": d / a, "vs_best_fixed": b / a})
     return out
@@ -134,12 +140,14 @@ def rank_main(rank: int, world: int, args):
         last: dict[str, dict] = {}
         autos: list[dict] = []
         for rnd in range(args.rounds):
-            # ABBA: every other round runs the group backwards, so a drift of the machine's
-            # load during the group cancels out of the ratios; dense and auto stay neighbours
-            for _, cfg in (group if rnd % 2 == 0 else group[::-1]):
-                cap.records.clear()
-                args.warmup = auto_warmup if cfg.algorithm == "auto" else fixed_warmup
-                row = ddp_step.measure(cfg, args, rank, world)
+            cap.records.clear()
+            order = group if rnd % 2 == 0 else group[::-1]
+            if args.interleave:
+                got = _interleaved_round([c for _, c in order], args, rank, world, auto_warmup, fixed_warmup)
+            else:
+                got = _sequential_round([c for _, c in order], args, rank, world, auto_warmup, fixed_warmup)
+            for _, cfg in group:
+                row = got[cfg.name]
                 times[cfg.name].append(row["step_ms"])
                 p90s[cfg.name].append(row["p90_ms"])
                 last[cfg.name] = row
@@ -147,7 +155,8 @@ def rank_main(rank: int, world: int, args):
                     autos.append(row)
                     logs.setdefault(cfg.name, []).extend([f"(round {rnd})"] + cap.records)
                 if rank == 0:
-                    locked = f" (locked {row['algorithm']} after {row.get('tuned')} steps)" \
+                    locked = f" (locked {row['algorithm']} after {row.get('tuned')} steps" \
+                        f"{'; RETUNED while measured' if row.get('retuned') else ''})" \
                         if cfg.algorithm == "auto" else ""
                     print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms"
                           f"{locked}",
@@ -167,6 +176,55 @@ def rank_main(rank: int, world: int, args):
         _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs, partial=True)
     args.warmup = auto_warmup
     return _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs)
+
+
+def _sequential_round(cfgs, args, rank, world, auto_warmup, fixed_warmup) -> dict:
+    """One round as rows measured one after another (ABBA across rounds: the caller reverses
+    every other round, so a drift of the machine's load during the group cancels out)."""
+    out = {}
+    for cfg in cfgs:
+        args.warmup = auto_warmup if cfg.algorithm == "auto" else fixed_warmup
+        out[cfg.name] = ddp_step.measure(cfg, args, rank, world)
+    return out
+
+
+def _interleaved_round(cfgs, args, rank, world, auto_warmup, fixed_warmup) -> dict:
+    """One round with every configuration's measured steps interleaved: all are built and
+    warmed up (auto until its tuner locked), then they take turns in blocks of
+    ``args.interleave`` steps (order reversed every other block) until each has
+    ``args.steps`` counted steps. The first step of every block is not counted, for every
+    configuration alike (it meets caches the others just used). A load change on the shared
+    machine then falls on every row of the round instead of on whichever ran during it.
+
+    The autotuner times its steps from one bucket-0 call to the next, so the first step of
+    each of auto's blocks looks slow to it (the others' block ran in between); its watchdog
+    takes medians, and a retune while measured is reported (``retuned``)."""
+    runners = []
+    for cfg in cfgs:
+        args.warmup = auto_warmup if cfg.algorithm == "auto" else fixed_warmup
+        run = ddp_step.StepRunner(cfg, args, rank, world)
+        run.warm_up()
+        runners.append(run)
+    tunings = [r.tunings() for r in runners]
+    times: list[list[float]] = [[] for _ in runners]
+    block = max(2, args.interleave)
+    b = 0
+    while min(len(t) for t in times) < args.steps:
+        seq = list(range(len(runners))) if b % 2 == 0 else list(range(len(runners)))[::-1]
+        for k in seq:
+            for j in range(block):
+                dt = runners[k].step()
+                if j > 0 and len(times[k]) < args.steps:
+                    times[k].append(dt)
+        b += 1
+    out = {}
+    for run, ts, t0 in zip(runners, times, tunings):
+        row = run.row(ts)
+        row["retuned"] = run.tunings() > t0
+        out[run.cfg.name] = row
+    for run in runners:
+        run.close()
+    return out
 
 
 def _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs, partial=False):
@@ -235,6 +293,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated compressor specs (use ';' if a spec has commas)")
     p.add_argument("--rounds", type=int, default=2,
                    help="measure each group this many times (ABBA order); step_ms is the median")
+    p.add_argument("--interleave", type=int, default=4, metavar="B",
+                   help="measure a round's configurations interleaved, in blocks of B steps (the "
+                        "first of each not counted); 0: one after another (the rows of earlier runs)")
     p.set_defaults(warmup=44, steps=6, codec=False)  # warm-up covers the <= 40-step tuning
     return p
 

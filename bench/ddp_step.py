@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-__all__ = ["MODELS", "ResMLP", "build_model", "make_batches", "measure", "main"]
+__all__ = ["MODELS", "ResMLP", "StepRunner", "build_model", "make_batches", "measure", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,74 +184,107 @@ def _codec_ms(cfg, numel: int, reps: int = 3) -> float | None:
         return None
 
 
+class StepRunner:
+    """One hook configuration's training run, a step at a time: the model, DDP, SGD and the
+    hook, built once; :meth:`step` times one step (after a barrier, so every rank starts it
+    together). :func:`measure` runs one to the end; ``bench/autotune.py`` interleaves several
+    (their steps alternate, so the machine's drift falls on all of them alike)."""
+
+    def __init__(self, cfg, args, rank: int, world: int, pairing: str | None = None):
+        self.cfg, self.args, self.rank, self.world = cfg, args, rank, world
+        self.model = build_model(args.model, args.width, args.depth, args.seed)
+        self.batches = make_batches(args.model, self.model, args.batch, rank, seed=args.seed)
+        cap = args.bucket_cap_mb
+        if cfg.kind == "torch-powersgd":  # torch's powerSGD_hook fails on gloo with > 1 bucket
+            cap = max(cap, args.one_bucket_mb)
+        self.ddp = DDP(self.model, bucket_cap_mb=cap)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-3, momentum=0.9)
+        # our hooks take SGD's momentum over (momentum correction, issue 17): the default way
+        pairing = pairing or getattr(args, "pairing", "optimizer")
+        self.state = hooks.attach_hook(self.ddp, cfg, start_iter=args.start_iter,
+                                       optimizer=self.opt if pairing == "optimizer" else None)
+        self.tuner = getattr(getattr(self.state, "planner", None), "tuner", None)
+        self.i = 0
+        self.loss = torch.zeros(())
+
+    def step(self, profile: bool = False) -> float:
+        """One training step; its wall-clock seconds on this rank."""
+        x, y = self.batches[self.i % len(self.batches)]
+        dist.barrier()
+        prof = None
+        if profile:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=False)
+        self.loss = _loss(self.ddp(x), y)
+        self.loss.backward()
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            if self.rank == 0:
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+                PROFILES.append((self.cfg.name, 1e3 * dt, table))
+                print(f"# profile of one step of {self.cfg.name} (rank 0, self CPU time):\n{table}")
+        self.i += 1
+        return dt
+
+    def warm_up(self) -> None:
+        """``args.warmup`` steps (at least ``start_iter + 2``: the first compressed steps
+        allocate buffers), then, for ``algorithm="auto"``, until the autotuner locked (at most
+        MAX_TUNING_STEPS more): what follows is the steady state. Every rank sees the same
+        ``locked`` (the decision is one agreed collective)."""
+        warmup = max(self.args.warmup, self.args.start_iter + 2)
+        while self.i < warmup:
+            self.step()
+        extra = 0
+        while self.tuner is not None and not self.tuner.locked and extra < MAX_TUNING_STEPS:
+            self.step()
+            extra += 1
+
+    def tunings(self) -> int:
+        """Trial phases the autotuner ran so far (0 without one)."""
+        return getattr(self.tuner, "tunings", 0) if self.tuner is not None else 0
+
+    def row(self, times: list[float]) -> dict:
+        """The row of these measured steps (seconds on this rank; the max over ranks is taken
+        here: a step is as slow as its slowest rank). Collective: every rank calls it."""
+        args, world, cfg, tuner = self.args, self.world, self.cfg, self.tuner
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        wire_b = wire.config_wire_bytes(cfg, self.state, params, world)
+        ts = sorted(t.tolist())
+        sizes = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+        numel = sum(p.numel() for p in params)
+        row = {"hook": cfg.name,
+               "algorithm": wire.config_algorithm(cfg, self.state, wire.dense_wire_bytes(numel, world)),
+               "buckets": len([b for b in sizes.split(",") if b.strip()]) or None,
+               "tuned": (f"{tuner.tuning_steps}" + ("" if tuner.locked else " (not locked)"))
+               if tuner is not None else None,
+               "step_ms": 1e3 * statistics.median(ts),
+               "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
+               "wire_bytes": wire_b, "wire_MB": wire_b / 1e6 if wire_b else None,
+               "loss": float(self.loss.detach())}
+        if args.codec:
+            row["codec_ms"] = _codec_ms(cfg, numel)
+        row["raw_ms"] = raw_transfer_ms(wire_b, world)
+        return row
+
+    def close(self) -> None:
+        del self.ddp, self.opt, self.state, self.model
+
+
 def measure(cfg, args, rank: int, world: int, profile: bool = False,
             pairing: str | None = None) -> dict:
     """Train ``cfg`` for warm-up + measured steps; the step times are the max over ranks.
     ``pairing`` (default ``args.pairing``): ``"optimizer"`` gives our hooks the optimizer."""
-    model = build_model(args.model, args.width, args.depth, args.seed)
-    batches = make_batches(args.model, model, args.batch, rank, seed=args.seed)
-    cap = args.bucket_cap_mb
-    if cfg.kind == "torch-powersgd":  # torch's powerSGD_hook fails on gloo with > 1 bucket
-        cap = max(cap, args.one_bucket_mb)
-    ddp = DDP(model, bucket_cap_mb=cap)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    # our hooks take SGD's momentum over (momentum correction, issue 17): the default way
-    pairing = pairing or getattr(args, "pairing", "optimizer")
-    state = hooks.attach_hook(ddp, cfg, start_iter=args.start_iter,
-                              optimizer=opt if pairing == "optimizer" else None)
-    warmup = max(args.warmup, args.start_iter + 2)  # the first compressed steps allocate buffers
-    tuner = getattr(getattr(state, "planner", None), "tuner", None)
-    times = []
-    loss = torch.zeros(())
-    prof = None
-    i = tuned = 0
-    while i < warmup + args.steps:
-        if i == warmup and tuner is not None and not tuner.locked and tuned < MAX_TUNING_STEPS:
-            # algorithm="auto": measure the steady state, after the tuner locked (every rank
-            # sees the same `locked`: the decision is one agreed collective)
-            warmup += 1
-            tuned += 1
-        x, y = batches[i % len(batches)]
-        dist.barrier()
-        if profile and i == warmup:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            prof.__enter__()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        loss = _loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        dt = time.perf_counter() - t0
-        if prof is not None:
-            prof.__exit__(None, None, None)
-            if rank == 0:
-                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-                PROFILES.append((cfg.name, 1e3 * dt, table))
-                print(f"# profile of one step of {cfg.name} (rank 0, self CPU time):\n{table}")
-            prof = None
-        if i >= warmup:
-            times.append(dt)
-        i += 1
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    params = [p for p in model.parameters() if p.requires_grad]
-    wire_b = wire.config_wire_bytes(cfg, state, params, world)
-    ts = sorted(t.tolist())
-    sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
-    numel = sum(p.numel() for p in params)
-    row = {"hook": cfg.name,
-           "algorithm": wire.config_algorithm(cfg, state, wire.dense_wire_bytes(numel, world)),
-           "buckets": len([b for b in sizes.split(",") if b.strip()]) or None,
-           "tuned": (f"{tuner.tuning_steps}" + ("" if tuner.locked else " (not locked)"))
-           if tuner is not None else None,
-           "step_ms": 1e3 * statistics.median(ts),
-           "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
-           "wire_bytes": wire_b, "wire_MB": wire_b / 1e6 if wire_b else None,
-           "loss": float(loss.detach())}
-    if args.codec:
-        row["codec_ms"] = _codec_ms(cfg, numel)
-    row["raw_ms"] = raw_transfer_ms(wire_b, world)
-    del ddp, opt, state
+    run = StepRunner(cfg, args, rank, world, pairing)
+    run.warm_up()
+    times = [run.step(profile=profile and k == 0) for k in range(args.steps)]
+    row = run.row(times)
+    run.close()
     return row
 
 

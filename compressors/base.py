@@ -271,7 +271,8 @@ class Compressor:
         name: registry name (``compressors.get(name)``).
         families: aggregation families that can move this compressor's payloads.
         lossless: decompress(compress(x)) == x exactly.
-        fixed_size: payload shapes depend only on ``ctx.numel`` (no size exchange needed).
+        fixed_size: payload shapes depend only on ``ctx.numel`` and ``ctx.shapes`` (no size
+            exchange needed).
         unbiased: E[decompress(compress(x))] == x over the hash-RNG streams.
         sparsifies: decompress is zero wherever no value was sent (top-k, random-k): the
             hook's momentum factor masking zeroes the velocity at the nonzeros of a rank's own
@@ -530,6 +531,17 @@ class ScaledCodesDecoder(Compressor):
         if segs is None:
             return self.wire_bytes(sum(math.prod(s) for s in shapes), dtype)
         return 4 * segs[-1][3] + segs[-1][5]
+
+    def payload_layout(self, ctx) -> tuple:
+        """``((scales, float32), (code bytes, uint8))``: the payload :meth:`compress` returns
+        for ``ctx`` (its size and, tensor-aligned, its shapes), without compressing."""
+        from .bitpack import packed_nbytes
+
+        segs = self._segments(ctx)
+        if segs is None:
+            return ((-(-ctx.numel // self.chunk), torch.float32),
+                    (packed_nbytes(ctx.numel, self.code_bits), torch.uint8))
+        return ((segs[-1][3], torch.float32), (segs[-1][5], torch.uint8))
 
     def _compress_flat(self, x, ctx):
         raise NotImplementedError

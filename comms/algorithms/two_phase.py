@@ -13,9 +13,15 @@ chunk zero-padded so every chunk payload has the same byte size):
 4. ``all_gather`` the owners' payloads; every rank, the owner too, decodes every owner's
    payload — so all ranks hold the same bits.
 
+When the context knows the bucket's parameter shapes, each chunk's context carries the tensor
+pieces it holds (:func:`chunk_shapes`), so a tensor-aligned codec (sign, QSGD) restarts its
+scales at every tensor inside a chunk, as it does on the other algorithms; chunks that hold
+different pieces then have payloads of slightly different sizes, which go zero-padded to the
+largest on the wire (:class:`ChunkWire`).
+
 ``own`` (for the caller's first-stage error feedback) is the concatenation of this rank's
 decoded phase-1 chunks. Bytes sent per rank: ``2 (W-1) P + 16 (W-1)`` where ``P`` is one
-chunk's payload and 16 the layout header.
+chunk's (padded) payload and 16 the layout header.
 
 Rounds are issued from the caller's thread in program order and the intermediate ones are
 waited for there; only the final all_gather is asynchronous. A round issued from a
@@ -31,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -41,17 +48,80 @@ from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
-__all__ = ["TwoPhase", "two_phase", "chunk_context", "scatter_send", "decode_sum", "two_phase_error_bound"]
+__all__ = ["TwoPhase", "two_phase", "chunk_context", "chunk_shapes", "ChunkWire", "scatter_send", "decode_sum", "two_phase_error_bound"]
 
 logger = logging.getLogger(__name__)
 
 _RESIDUAL = "two_phase_residual"
 
 
-def chunk_context(ctx, world: int, phase: int, j: int, rank: int):
-    """The context of chunk ``j`` in ``phase`` (1: scatter, 2: owner re-compression)."""
+def chunk_shapes(ctx, world: int, j: int) -> tuple:
+    """The pieces of the bucket's tensors that chunk ``j`` holds, as 1-D shapes (the zero
+    padding of a short last chunk is a piece of its own), so that a tensor-aligned compressor
+    (``align="tensor"``) restarts its scales at every tensor inside the chunk too; ``()`` when
+    the context knows no shapes or the chunk lies inside one tensor (the flat layout)."""
+    shapes = ctx.known_shapes()
+    if len(shapes) < 2:
+        return ()
     m = -(-ctx.numel // world)
-    return ctx.with_(numel=m, bucket=((ctx.bucket * 2 + phase - 1) * world + j) & 0xFFFFFFFF, rank=rank)
+    lo, hi = j * m, (j + 1) * m
+    pieces, e = [], 0
+    for sh in shapes:
+        n = math.prod(sh)
+        a, b = max(lo, e), min(hi, e + n)
+        if b > a:
+            pieces.append((b - a,))
+        e += n
+    if hi > ctx.numel:
+        pieces.append((hi - max(lo, ctx.numel),))
+    return tuple(pieces) if len(pieces) > 1 else ()
+
+
+def chunk_context(ctx, world: int, phase: int, j: int, rank: int):
+    """The context of chunk ``j`` in ``phase`` (1: scatter, 2: owner re-compression): its
+    own stream key and the tensor pieces it holds (:func:`chunk_shapes`)."""
+    m = -(-ctx.numel // world)
+    return ctx.with_(numel=m, bucket=((ctx.bucket * 2 + phase - 1) * world + j) & 0xFFFFFFFF, rank=rank,
+                     shapes=chunk_shapes(ctx, world, j))
+
+
+class ChunkWire:
+    """The payload layout every chunk takes on the wire and each chunk's own layout.
+
+    Chunks that hold different tensor pieces can have payloads of different sizes (a
+    tensor-aligned codec has a scale more per piece); on the wire every payload tensor is
+    zero-padded to its largest size over the chunks, so all chunk payloads have the same byte
+    size (an ``all_to_all`` / ``all_gather`` of equal blocks), and cut back to the chunk's own
+    layout before decoding. Every rank derives the same layouts from the same shapes.
+    """
+
+    __slots__ = ("wire", "chunks", "nbytes")
+
+    def __init__(self, chunks: list):
+        first = chunks[0]
+        if any(len(c) != len(first) or any(dt != d0 for (_, dt), (_, d0) in zip(c, first)) for c in chunks):
+            raise RuntimeError("two_phase: chunk payloads differ in their tensors' count or dtypes")
+        self.chunks = tuple(chunks)
+        self.wire = tuple((max(c[k][0] for c in chunks), first[k][1]) for k in range(len(first)))
+        self.nbytes = nbytes_of(self.wire)
+
+    def write(self, payload, out: torch.Tensor) -> None:
+        """``payload``'s bytes into ``out`` (``nbytes``), each tensor zero-padded to the wire."""
+        if layout_of(payload) == self.wire:
+            to_bytes(payload, out=out)
+            return
+        off = 0
+        for t, (n, dt) in zip(payload, self.wire):
+            nb = n * dt.itemsize
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            out[off: off + raw.numel()].copy_(raw)
+            out[off + raw.numel(): off + nb].zero_()
+            off += nb
+
+    def read(self, buf: torch.Tensor, j: int) -> list:
+        """Chunk ``j``'s payload from its wire bytes (views, cut to the chunk's own layout)."""
+        parts = from_bytes(buf, self.wire)
+        return [p[:n] for p, (n, _) in zip(parts, self.chunks[j])]
 
 
 def _acc_dtype(dtype):
@@ -90,22 +160,21 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
         ``(fut, own, layout, nb, stride)``: the future of the received bytes (rank ``i``'s
         payload for this rank's chunk at ``[i * stride, i * stride + nb)``, its tail after
         it), this rank's decoded chunks (``W * m`` elements, for first-stage error feedback),
-        the payload layout and byte sizes.
+        the payloads' :class:`ChunkWire` and byte sizes.
     """
     _need_fixed_size(compressor)
     world, rank, n = comm.world_size, comm.rank, x.numel()
     m = -(-n // world)
     payloads = [compressor.compress(_chunk(x, j, m), chunk_context(ctx, world, 1, j, rank))
                 for j in range(world)]
-    layout = layout_of(payloads[0])
-    nb = nbytes_of(layout)
-    if any(layout_of(p) != layout for p in payloads[1:]):
-        raise RuntimeError(f"{compressor.spec()} produced unequal chunk payloads; two_phase needs equal ones")
+    # a chunk's layout depends on its size and tensor pieces only: the same on every rank
+    layout = ChunkWire([layout_of(p) for p in payloads])
+    nb = layout.nbytes
     stride = nb + (0 if tail is None else tail.numel())
     send = buffers.empty(world * stride, torch.uint8, x.device)
     rows = send.view(world, stride)
     for j, p in enumerate(payloads):
-        to_bytes(p, out=rows[j, :nb])
+        layout.write(p, rows[j, :nb])
     if tail is not None:
         rows[:, nb:] = tail
     fut = comm.all_to_all(send)
@@ -117,7 +186,7 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
     return fut, own, layout, nb, stride
 
 
-def decode_sum(compressor, recv: torch.Tensor, layout, nb: int, stride: int, ctx, world: int,
+def decode_sum(compressor, recv: torch.Tensor, layout: ChunkWire, nb: int, stride: int, ctx, world: int,
                rank: int) -> torch.Tensor:
     """The owner's sum of chunk ``rank``: decode every rank's payload and add them **in rank
     order** into zeros (fp32, fp64 for fp64 buckets) — one summation order on every run."""
@@ -125,7 +194,7 @@ def decode_sum(compressor, recv: torch.Tensor, layout, nb: int, stride: int, ctx
     acc_dtype = _acc_dtype(ctx.dtype)
     acc = buffers.zeros(m, acc_dtype, recv.device)
     for i in range(world):
-        compressor.decompress_add_(from_bytes(recv[i * stride:i * stride + nb], layout),
+        compressor.decompress_add_(layout.read(recv[i * stride:i * stride + nb], rank),
                                    chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
     return acc
 
@@ -145,7 +214,7 @@ def _two_phase(comm, compressor, x, ctx, store):
     # CUDA + QSGD: one fused kernel reads every rank's chunk once, sums in rank order and
     # re-quantizes (same bits as the torch path below); None: not applicable here
     p2 = (cuda_dispatch.two_phase_qsgd_owner(compressor, recv, world, m, ctx2)
-          if recv.is_cuda and not use_ef else None)
+          if recv.is_cuda and not use_ef and len(set(layout.chunks)) == 1 and not ctx2.shapes else None)
     if p2 is None:
         acc = decode_sum(compressor, recv, layout, nb, nb, ctx, world, rank)
         del recv
@@ -164,15 +233,17 @@ def _two_phase(comm, compressor, x, ctx, store):
                 res = store[_RESIDUAL] = torch.empty(m, dtype=ctx.dtype, device=x.device)
             torch.sub(owner_in, compressor.decompress_into(p2, ctx2, buffers.empty(m, ctx.dtype, x.device)),
                       out=res)
-    layout2 = layout_of(p2)
-    nb2 = nbytes_of(layout2)
-    fut2 = comm.all_gather(to_bytes(p2))
+    # phase-2 chunk i holds the same pieces as phase-1 chunk i: the same layouts
+    nb2 = layout.nbytes
+    send2 = buffers.empty(nb2, torch.uint8, x.device)
+    layout.write(p2, send2)
+    fut2 = comm.all_gather(send2)
 
     def done(f):
         g = f.value()
         out = buffers.empty(world * m, ctx.dtype, x.device)
         for i in range(world):  # the owner decodes its own payload from the wire, like everyone
-            compressor.decompress_into(from_bytes(g[i * nb2:(i + 1) * nb2], layout2),
+            compressor.decompress_into(layout.read(g[i * nb2:(i + 1) * nb2], i),
                                        chunk_context(ctx, world, 2, i, i), out[i * m:(i + 1) * m])
         return out[:n], own[:n]
 
@@ -213,6 +284,14 @@ class TwoPhase(Algorithm):
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         m = -(-numel // world)
         return (world - 1) * (2 * compressor.wire_bytes(m, dtype) + HEADER_BYTES)
+
+    def bucket_wire_bytes(self, compressor, ctx, world):
+        """Tensor-aligned chunks (:func:`chunk_shapes`) pad their payloads to the largest."""
+        layout = getattr(compressor, "payload_layout", None)
+        if layout is None or world < 2 or not any(chunk_shapes(ctx, world, j) for j in range(world)):
+            return self.wire_bytes(compressor, ctx.numel, ctx.dtype, world)
+        wire = ChunkWire([layout(chunk_context(ctx, world, 1, j, 0)) for j in range(world)])
+        return (world - 1) * (2 * wire.nbytes + HEADER_BYTES)
 
     def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
         n = model.tiers[tier].world

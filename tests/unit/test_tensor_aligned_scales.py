@@ -75,3 +75,32 @@ def test_sign_scale_of_a_small_tensor_is_its_own():
 def test_bad_align_is_named():
     with pytest.raises(ValueError, match="align"):
         from_spec("sign:align=row")
+
+
+def test_two_phase_chunk_pieces_and_padded_wire():
+    """two_phase's chunks carry the tensor pieces they hold (the zero padding of the last chunk
+    is a piece); chunks inside one tensor keep the flat layout; unequal chunk payloads are
+    zero-padded on the wire and cut back bitwise."""
+    from comms.algorithms.two_phase import ChunkWire, chunk_context, chunk_shapes
+    from compressors import ScaledSign
+
+    ctx = Context(numel=3620, shapes=((300,), (17, 5), (1,), (2000,), (1234,)))
+    assert chunk_shapes(ctx, 2, 0) == ((300,), (85,), (1,), (1424,))
+    assert chunk_shapes(ctx, 2, 1) == ((576,), (1234,))
+    assert chunk_shapes(ctx, 3, 2) == ((1206,), (1,))  # 1206 of the last tensor, 1 of padding
+    assert chunk_shapes(ctx, 8, 3) == ()  # [1359, 1812): inside the 2000-element tensor
+    assert chunk_shapes(Context(numel=3620), 2, 0) == ()
+    c = ScaledSign()
+    x = torch.randn(3620)
+    ctxs = [chunk_context(ctx, 2, 1, j, 0) for j in range(2)]
+    payloads = [c.compress(x[j * 1810:(j + 1) * 1810], ctxs[j]) for j in range(2)]
+    assert [tuple((t.numel(), t.dtype) for t in p) for p in payloads] == [c.payload_layout(k) for k in ctxs]
+    wire = ChunkWire([c.payload_layout(k) for k in ctxs])
+    assert wire.wire == ((17, torch.float32), (228, torch.uint8))  # 3+1+1+12 scales; 38+11+1+178 B
+    for j, p in enumerate(payloads):
+        buf = torch.full((wire.nbytes,), 0xAB, dtype=torch.uint8)
+        wire.write(p, buf)
+        back = wire.read(buf, j)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(back, p))
+    with pytest.raises(RuntimeError, match="dtypes"):
+        ChunkWire([((4, torch.float32),), ((4, torch.float16),)])
