@@ -206,17 +206,7 @@ def _interleaved_round(cfgs, args, rank, world, auto_warmup, fixed_warmup) -> di
         run.warm_up()
         runners.append(run)
     tunings = [r.tunings() for r in runners]
-    times: list[list[float]] = [[] for _ in runners]
-    block = max(2, args.interleave)
-    b = 0
-    while min(len(t) for t in times) < args.steps:
-        seq = list(range(len(runners))) if b % 2 == 0 else list(range(len(runners)))[::-1]
-        for k in seq:
-            for j in range(block):
-                dt = runners[k].step()
-                if j > 0 and len(times[k]) < args.steps:
-                    times[k].append(dt)
-        b += 1
+    times = ddp_step.interleaved_times(runners, args.steps, args.interleave)
     out = {}
     for run, ts, t0 in zip(runners, times, tunings):
         row = run.row(ts)
@@ -293,10 +283,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated compressor specs (use ';' if a spec has commas)")
     p.add_argument("--rounds", type=int, default=2,
                    help="measure each group this many times (ABBA order); step_ms is the median")
-    p.add_argument("--interleave", type=int, default=4, metavar="B",
-                   help="measure a round's configurations interleaved, in blocks of B steps (the "
-                        "first of each not counted); 0: one after another (the rows of earlier runs)")
-    p.set_defaults(warmup=44, steps=6, codec=False)  # warm-up covers the <= 40-step tuning
+    # --interleave (from ddp_step): a round's configurations interleaved in blocks of B steps;
+    # 0: one after another (the rows of earlier runs)
+    p.set_defaults(warmup=44, steps=6, codec=False, interleave=4)  # warm-up covers the <= 40-step tuning
     return p
 
 

@@ -42,7 +42,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-__all__ = ["MODELS", "ResMLP", "StepRunner", "build_model", "make_batches", "measure", "main"]
+__all__ = ["MODELS", "ResMLP", "StepRunner", "FloorRunner", "build_model", "interleaved_times", "make_batches",
+           "measure", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +277,68 @@ class StepRunner:
         del self.ddp, self.opt, self.state, self.model
 
 
+class FloorRunner:
+    """The no-communication floor as a :class:`StepRunner`: the same model and batches trained
+    without DDP on every rank at once (world size 1, no communication, the cores shared as in
+    the DDP rows)."""
+
+    def __init__(self, args, rank: int, world: int):
+        self.args, self.rank, self.world = args, rank, world
+        self.model = build_model(args.model, args.width, args.depth, args.seed)
+        self.batches = make_batches(args.model, self.model, args.batch, rank, seed=args.seed)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.i = 0
+        self.name = FLOOR
+
+    def step(self, profile: bool = False) -> float:
+        x, y = self.batches[self.i % len(self.batches)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=False)
+        _loss(self.model(x), y).backward()
+        self.opt.step()
+        self.i += 1
+        return time.perf_counter() - t0
+
+    def warm_up(self) -> None:
+        while self.i < self.args.warmup:
+            self.step()
+
+    def tunings(self) -> int:
+        return 0
+
+    def row(self, times: list[float]) -> dict:
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ts = sorted(t.tolist())
+        return {"hook": FLOOR, "algorithm": "none", "step_ms": 1e3 * statistics.median(ts),
+                "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
+                "wire_bytes": None, "wire_MB": None}
+
+    def close(self) -> None:
+        del self.model, self.opt
+
+
+def interleaved_times(runners: list, steps: int, block: int) -> list[list[float]]:
+    """Warmed-up runners take turns in blocks of ``block`` steps (order reversed every other
+    block) until each has ``steps`` counted steps; the first step of every block is not
+    counted, for every runner alike (it meets caches the others just used). A load change on
+    the shared machine then falls on every runner instead of on whichever ran during it.
+    Returns each runner's counted step seconds (this rank's)."""
+    times: list[list[float]] = [[] for _ in runners]
+    block = max(2, block)
+    b = 0
+    while min(len(t) for t in times) < steps:
+        order = range(len(runners)) if b % 2 == 0 else reversed(range(len(runners)))
+        for k in order:
+            for j in range(block):
+                dt = runners[k].step()
+                if j > 0 and len(times[k]) < steps:
+                    times[k].append(dt)
+        b += 1
+    return times
+
+
 def measure(cfg, args, rank: int, world: int, profile: bool = False,
             pairing: str | None = None) -> dict:
     """Train ``cfg`` for warm-up + measured steps; the step times are the max over ranks.
@@ -309,27 +372,12 @@ def raw_transfer_ms(wire_bytes: int | None, world: int, reps: int = 3) -> float 
 
 
 def measure_floor(args, rank: int, world: int) -> dict:
-    """The same model and batches trained without DDP on every rank at once (world size 1, no
-    communication, the cores shared as in the DDP rows): the step no hook can beat."""
-    model = build_model(args.model, args.width, args.depth, args.seed)
-    batches = make_batches(args.model, model, args.batch, rank, seed=args.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    times = []
-    for i in range(args.warmup + args.steps):
-        x, y = batches[i % len(batches)]
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        _loss(model(x), y).backward()
-        opt.step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    ts = sorted(t.tolist())
-    return {"hook": FLOOR, "algorithm": "none", "step_ms": 1e3 * statistics.median(ts),
-            "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
-            "wire_bytes": None, "wire_MB": None}
+    """The no-communication floor row (:class:`FloorRunner`): the step no hook can beat."""
+    run = FloorRunner(args, rank, world)
+    run.warm_up()
+    row = run.row([run.step() for _ in range(args.steps)])
+    run.close()
+    return row
 
 
 def measure_pairing(cfg, args, rank: int, world: int) -> list[dict]:
@@ -380,18 +428,28 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
             print(f"# skipped {what}: {why}", flush=True)
     rows = []
     profiled = set((args.profile or "").split(","))
-    it = tables.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
-    for cfg in it:
-        if args.pairing == "both" and cfg.kind == "ours":
-            rows += measure_pairing(cfg, args, rank, world)
-        else:
-            rows.append(measure(cfg, args, rank, world, profile=cfg.name in profiled))
-    if args.repeat_dense and len(configs) > 1:  # drift check: the shared cores change load
-        again = measure(configs[0], args, rank, world)
-        again["hook"] = "dense(again)"
-        rows.append(again)
-    if args.floor:
-        rows.append(measure_floor(args, rank, world))
+    if args.interleave:  # every row built at once, their steps interleaved (one set of load)
+        runners = [StepRunner(cfg, args, rank, world) for cfg in configs]
+        runners += [FloorRunner(args, rank, world)] if args.floor else []
+        for run in runners:
+            run.warm_up()
+        for run, ts in zip(runners, interleaved_times(runners, args.steps, args.interleave)):
+            rows.append(run.row(ts))
+        for run in runners:
+            run.close()
+    else:
+        it = tables.progress(configs, total=len(configs), desc="hooks", enable=rank == 0 and args.progress)
+        for cfg in it:
+            if args.pairing == "both" and cfg.kind == "ours":
+                rows += measure_pairing(cfg, args, rank, world)
+            else:
+                rows.append(measure(cfg, args, rank, world, profile=cfg.name in profiled))
+        if args.repeat_dense and len(configs) > 1:  # drift check: the shared cores change load
+            again = measure(configs[0], args, rank, world)
+            again["hook"] = "dense(again)"
+            rows.append(again)
+        if args.floor:
+            rows.append(measure_floor(args, rank, world))
     dense = next(r for r in rows if r["hook"] == "dense")
     floor = next((r for r in rows if r["hook"] == FLOOR), None)
     for r in rows:
@@ -426,6 +484,10 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
               "`raw_ms`: one plain gloo allreduce that sends the row's wire bytes per rank, "
               "on the same links in the same run (the wire-time floor). `speedup` is dense "
               "step / row step."
+              + (f" Rows measured **interleaved**: all built and warmed up, then blocks of "
+                 f"{args.interleave} steps in turn (the first of each not counted) until each "
+                 f"has {args.steps} counted steps: the ratios compare steps taken seconds apart."
+                 if args.interleave else "")
               + (f" `[optimizer]`/`[none]`: the hook registered with / without the optimizer "
                  f"(SGD momentum in the hook: momentum correction and masking / in the "
                  f"optimizer), {args.pairing_rounds} interleaved pairs, each row the median; "
@@ -465,6 +527,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-repeat-dense", dest="repeat_dense", action="store_false",
                    help="do not measure dense again at the end (the drift check)")
+    p.add_argument("--interleave", type=int, default=0, metavar="B",
+                   help="build every row at once and interleave their measured steps in blocks "
+                        "of B (the first of each not counted); 0: one row after another")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help=f"skip the '{FLOOR}' row (the model trained without DDP on every rank)")
     p.add_argument("--no-codec", dest="codec", action="store_false",
