@@ -252,11 +252,9 @@ class StepRunner:
         """The row of these measured steps (seconds on this rank; the max over ranks is taken
         here: a step is as slow as its slowest rank). Collective: every rank calls it."""
         args, world, cfg, tuner = self.args, self.world, self.cfg, self.tuner
-        t = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        step_ms, p90_ms = _max_over_ranks_ms(times)
         params = [p for p in self.model.parameters() if p.requires_grad]
         wire_b = wire.config_wire_bytes(cfg, self.state, params, world)
-        ts = sorted(t.tolist())
         sizes = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))
         numel = sum(p.numel() for p in params)
         row = {"hook": cfg.name,
@@ -264,8 +262,7 @@ class StepRunner:
                "buckets": len([b for b in sizes.split(",") if b.strip()]) or None,
                "tuned": (f"{tuner.tuning_steps}" + ("" if tuner.locked else " (not locked)"))
                if tuner is not None else None,
-               "step_ms": 1e3 * statistics.median(ts),
-               "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
+               "step_ms": step_ms, "p90_ms": p90_ms,
                "wire_bytes": wire_b, "wire_MB": wire_b / 1e6 if wire_b else None,
                "loss": float(self.loss.detach())}
         if args.codec:
@@ -277,46 +274,38 @@ class StepRunner:
         del self.ddp, self.opt, self.state, self.model
 
 
-class FloorRunner:
+class FloorRunner(StepRunner):
     """The no-communication floor as a :class:`StepRunner`: the same model and batches trained
     without DDP on every rank at once (world size 1, no communication, the cores shared as in
     the DDP rows)."""
 
     def __init__(self, args, rank: int, world: int):
-        self.args, self.rank, self.world = args, rank, world
+        self.cfg, self.args, self.rank, self.world = None, args, rank, world
         self.model = build_model(args.model, args.width, args.depth, args.seed)
         self.batches = make_batches(args.model, self.model, args.batch, rank, seed=args.seed)
+        self.ddp = self.model  # trained as it is: no DDP, no hook
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.state = self.tuner = None
         self.i = 0
-        self.name = FLOOR
-
-    def step(self, profile: bool = False) -> float:
-        x, y = self.batches[self.i % len(self.batches)]
-        dist.barrier()
-        t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=False)
-        _loss(self.model(x), y).backward()
-        self.opt.step()
-        self.i += 1
-        return time.perf_counter() - t0
+        self.loss = torch.zeros(())
 
     def warm_up(self) -> None:
+        """``args.warmup`` steps (no hook: nothing to allocate or tune)."""
         while self.i < self.args.warmup:
             self.step()
 
-    def tunings(self) -> int:
-        return 0
-
     def row(self, times: list[float]) -> dict:
-        t = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        ts = sorted(t.tolist())
-        return {"hook": FLOOR, "algorithm": "none", "step_ms": 1e3 * statistics.median(ts),
-                "p90_ms": 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)],
+        step_ms, p90_ms = _max_over_ranks_ms(times)
+        return {"hook": FLOOR, "algorithm": "none", "step_ms": step_ms, "p90_ms": p90_ms,
                 "wire_bytes": None, "wire_MB": None}
 
-    def close(self) -> None:
-        del self.model, self.opt
+
+def _max_over_ranks_ms(times: list[float]) -> tuple[float, float]:
+    """Median and p90 step (ms) of the per-step max over ranks (collective)."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    ts = sorted(t.tolist())
+    return 1e3 * statistics.median(ts), 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)]
 
 
 def interleaved_times(runners: list, steps: int, block: int) -> list[list[float]]:

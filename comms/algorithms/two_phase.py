@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -61,9 +62,12 @@ def chunk_shapes(ctx, world: int, j: int) -> tuple:
     (``align="tensor"``) restarts its scales at every tensor inside the chunk too; ``()`` when
     the context knows no shapes or the chunk lies inside one tensor (the flat layout)."""
     shapes = ctx.known_shapes()
-    if len(shapes) < 2:
-        return ()
-    m = -(-ctx.numel // world)
+    return _pieces(shapes, ctx.numel, world, j) if len(shapes) >= 2 else ()
+
+
+@functools.lru_cache(maxsize=1024)  # the same few (bucket, world, chunk) every step
+def _pieces(shapes: tuple, numel: int, world: int, j: int) -> tuple:
+    m = -(-numel // world)
     lo, hi = j * m, (j + 1) * m
     pieces, e = [], 0
     for sh in shapes:
@@ -72,8 +76,8 @@ def chunk_shapes(ctx, world: int, j: int) -> tuple:
         if b > a:
             pieces.append((b - a,))
         e += n
-    if hi > ctx.numel:
-        pieces.append((hi - max(lo, ctx.numel),))
+    if hi > numel:
+        pieces.append((hi - max(lo, numel),))
     return tuple(pieces) if len(pieces) > 1 else ()
 
 

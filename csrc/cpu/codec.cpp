@@ -237,24 +237,30 @@ template <int L, class A> void multi_row_sum(const A& a, i64 size, float out[4][
 
 template <int W> float torch_sum(const float* a, i64 n);
 
-template <int W, int DT> float torch_abs_sum(const void* x, i64 off, i64 n) {
-  const i64 V0 = n / W, S0 = V0 / 4;
-  if (n >= W && S0 < 16) {  // torch_sum's four-accumulator path, |x| read in place (no copy)
-    float part[4][W];
+// torch's row sum when no cascade level is reached (n >= W, fewer than 16 groups of four
+// vectors): four vector accumulators, the leftover vectors into the first, then the tail and
+// the lanes. a(j): element j.
+template <int W, class A> float four_acc_sum(A a, i64 n) {
+  const i64 V = n / W, S = V / 4;
+  float part[4][W];
+  for (int k = 0; k < 4; ++k)
+    for (int l = 0; l < W; ++l) part[k][l] = 0.0f;
+  for (i64 i = 0; i < S; ++i)
     for (int k = 0; k < 4; ++k)
-      for (int l = 0; l < W; ++l) part[k][l] = 0.0f;
-    for (i64 i = 0; i < S0; ++i)
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < W; ++l) part[k][l] += std::fabs(load<DT>(x, off + (i * 4 + k) * W + l));
-    for (i64 v = S0 * 4; v < V0; ++v)
-      for (int l = 0; l < W; ++l) part[0][l] += std::fabs(load<DT>(x, off + v * W + l));
-    for (int k = 1; k < 4; ++k)
-      for (int l = 0; l < W; ++l) part[0][l] += part[k][l];
-    float fin = 0.0f;
-    for (i64 j = V0 * W; j < n; ++j) fin += std::fabs(load<DT>(x, off + j));
-    for (int l = 0; l < W; ++l) fin += part[0][l];
-    return 0.0f + fin;
-  }
+      for (int l = 0; l < W; ++l) part[k][l] += a((i * 4 + k) * W + l);
+  for (i64 v = S * 4; v < V; ++v)
+    for (int l = 0; l < W; ++l) part[0][l] += a(v * W + l);
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < W; ++l) part[0][l] += part[k][l];
+  float fin = 0.0f;
+  for (i64 j = V * W; j < n; ++j) fin += a(j);
+  for (int l = 0; l < W; ++l) fin += part[0][l];
+  return 0.0f + fin;
+}
+
+template <int W, int DT> float torch_abs_sum(const void* x, i64 off, i64 n) {
+  if (n >= W && n / W / 4 < 16)  // |x| read in place (no copy into a buffer)
+    return four_acc_sum<W>([&](i64 j) { return std::fabs(load<DT>(x, off + j)); }, n);
   float buf[1024];
   if (n <= 1024) {
     for (i64 j = 0; j < n; ++j) buf[j] = std::fabs(load<DT>(x, off + j));
@@ -288,22 +294,7 @@ template <int W, int DT> float torch_abs_sum(const void* x, i64 off, i64 n) {
 // torch's row sum (as torch_abs_sum) of a local fp32 array
 template <int W> float torch_sum(const float* a, i64 n) {
   const i64 V = n / W, S = V / 4;
-  if (n >= W && S < 16) {  // no cascade level is reached: four vector accumulators
-    float part[4][W];
-    for (int k = 0; k < 4; ++k)
-      for (int l = 0; l < W; ++l) part[k][l] = 0.0f;
-    for (i64 i = 0; i < S; ++i)
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < W; ++l) part[k][l] += a[(i * 4 + k) * W + l];
-    for (i64 v = S * 4; v < V; ++v)
-      for (int l = 0; l < W; ++l) part[0][l] += a[v * W + l];
-    for (int k = 1; k < 4; ++k)
-      for (int l = 0; l < W; ++l) part[0][l] += part[k][l];
-    float fin = 0.0f;
-    for (i64 j = V * W; j < n; ++j) fin += a[j];
-    for (int l = 0; l < W; ++l) fin += part[0][l];
-    return 0.0f + fin;
-  }
+  if (n >= W && S < 16) return four_acc_sum<W>([&](i64 j) { return a[j]; }, n);
   auto f = [&](i64 j) { return a[j]; };
   if (n >= W) {
     float part[4][W];
