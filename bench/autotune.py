@@ -8,10 +8,11 @@ taken seconds apart; ``--interleave 0`` measures them one after another as earli
 
 For each compressor spec: ``dense`` (DDP's own allreduce), ``auto(<spec>)`` and
 ``<spec>@<alg>`` for every flat algorithm the compressor supports (the cost model proposes, the
-autotuner measures and locks). Step times come from :func:`ddp_step.measure` (median of
-``--steps`` after a warm-up — ``--warmup`` for auto, long enough to cover the autotune trial
-phase, ``start_iter + 2`` for the rest; max over ranks), taken ``--rounds`` times per group in
-ABBA order (the machine is shared: its load drifts); the median of the rounds is reported.
+autotuner measures and locks). Step times: the median of ``--steps`` counted steps after a
+warm-up (``--warmup`` steps, at least ``start_iter + 2``; auto then runs on until its tuner
+locked, so what is measured is its steady state; max over ranks), taken ``--rounds`` times per
+group in ABBA order (the machine is shared: its load drifts); the median of the rounds is
+reported.
 The autotuner's trial table (rank 0, from its log) is printed after the step table.
 
     python bench/autotune.py -n 2 --netsim 10gbit --specs fp16,powersgd:rank=1
@@ -285,7 +286,8 @@ def parser() -> argparse.ArgumentParser:
                    help="measure each group this many times (ABBA order); step_ms is the median")
     # --interleave (from ddp_step): a round's configurations interleaved in blocks of B steps;
     # 0: one after another (the rows of earlier runs)
-    p.set_defaults(warmup=44, steps=6, codec=False, interleave=4)  # warm-up covers the <= 40-step tuning
+    # auto warms up until its tuner locked (StepRunner.warm_up): --warmup need not cover tuning
+    p.set_defaults(warmup=6, steps=16, codec=False, interleave=4)
     return p
 
 
