@@ -26,9 +26,15 @@ from .futures import completed, guarded, when_all
 from .state import CompressionState
 from .stats import record_call
 
-__all__ = ["compression_hook", "dense_allreduce"]
+__all__ = ["compression_hook", "dense_allreduce", "RESIDUAL_DRAIN_STEPS"]
 
 logger = logging.getLogger(__name__)
+
+#: dense steps over which a bucket's error-feedback residual is added when the bucket moves
+#: from a compressed algorithm to plain allreduce (autotune trials, the watchdog, a dense
+#: lock): random-k 1%'s residual holds up to 10 steps of gradient (its residual bound), so
+#: each of 8 shares adds at most ~1.25 of a step; all at once it was a 10x step
+RESIDUAL_DRAIN_STEPS = 8
 
 
 def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures.Future:
@@ -105,18 +111,19 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         state.dense_calls += 1
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
-        if not switched and not state.local_transform:
+        draining = index in state.memory.draining
+        if not switched and not draining and not state.local_transform:
             return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
         _local_(state, index, x, world)
         if switched:
-            if state.error_feedback:
-                state.memory.add_residual_(index, x)
             _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
-            # the residual and store are spent; the velocity is not (it is the optimizer's)
-            state.memory.residuals.pop(index, None)
-            state.algo_store.pop(index, None)
+            state.algo_store.pop(index, None)  # the store is spent; the velocity is not
+            if state.error_feedback:  # the residual goes out in equal shares over dense steps
+                state.memory.start_drain(index, RESIDUAL_DRAIN_STEPS)
+        state.memory.drain_step_(index, x)
         return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     alg = get_algorithm(name)
+    state.memory.draining.pop(index, None)  # back to compressing: what is left is a residual again
     compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
     bound = state.residual_bound
     # the division, momentum correction and the residual, written into x once (same bits as

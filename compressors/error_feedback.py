@@ -36,10 +36,12 @@ class ErrorFeedback:
     world size).
     """
 
-    __slots__ = ("residuals", "velocities", "last_amax")
+    __slots__ = ("residuals", "velocities", "last_amax", "draining")
 
     def __init__(self):
         self.residuals: dict[int, torch.Tensor] = {}
+        #: bucket -> dense steps left to drain its residual in (see :meth:`drain_step_`)
+        self.draining: dict[int, int] = {}
         self.velocities: dict[int, torch.Tensor] = {}
         #: fp32 bits of the largest ``|x|`` the last compiled momentum / residual pass wrote
         #: (``None``: the torch path ran); the hook's non-finite check without another pass
@@ -61,6 +63,34 @@ class ErrorFeedback:
         r = self.residual(bucket, x)
         if r is not None:
             x.add_(r)
+        return x
+
+    def start_drain(self, bucket: int, steps: int) -> None:
+        """The bucket moved to plain dense allreduce: its residual goes out over the next
+        ``steps`` dense steps (:meth:`drain_step_`) instead of all in one."""
+        if bucket in self.residuals:
+            self.draining[bucket] = steps
+
+    def drain_step_(self, bucket: int, x: torch.Tensor) -> torch.Tensor:
+        """One dense step of a drain: ``x += r / n`` and ``r *= (n - 1) / n`` with ``n`` the
+        steps left, so each of the ``steps`` dense steps adds an equal share of the residual
+        the drain started with and the last one empties it (then it is dropped). Why not all
+        at once: random-k's residual holds up to ``residual_bound`` (10) times a step's
+        gradient; added into one dense step it is a 10x learning-rate step (loss spikes at
+        every autotune switch to dense were seen). Returns x."""
+        n = self.draining.get(bucket)
+        if n is None:
+            return x
+        r = self.residual(bucket, x)
+        if r is None:  # reset or re-laid out meanwhile
+            del self.draining[bucket]
+            return x
+        x.add_(r, alpha=1.0 / n)
+        if n <= 1:
+            del self.residuals[bucket], self.draining[bucket]
+        else:
+            r.mul_((n - 1) / n)
+            self.draining[bucket] = n - 1
         return x
 
     def _residual_buffer(self, bucket: int, x: torch.Tensor) -> torch.Tensor:
@@ -171,9 +201,11 @@ class ErrorFeedback:
         if bucket is None:
             self.residuals.clear()
             self.velocities.clear()
+            self.draining.clear()
         else:
             self.residuals.pop(bucket, None)
             self.velocities.pop(bucket, None)
+            self.draining.pop(bucket, None)
 
     def compress(self, compressor: Compressor, x: torch.Tensor, ctx: Context
                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -190,7 +222,8 @@ class ErrorFeedback:
 
     def state_dict(self) -> dict:
         return {"residuals": {int(k): v.detach().cpu().clone() for k, v in self.residuals.items()},
-                "velocities": {int(k): v.detach().cpu().clone() for k, v in self.velocities.items()}}
+                "velocities": {int(k): v.detach().cpu().clone() for k, v in self.velocities.items()},
+                "draining": {int(k): int(n) for k, n in self.draining.items()}}
 
     def load_state_dict(self, sd: dict, device=None) -> None:
         def load(d):
@@ -198,6 +231,7 @@ class ErrorFeedback:
 
         self.residuals = load(sd.get("residuals", {}))
         self.velocities = load(sd.get("velocities", {}))
+        self.draining = {int(k): int(n) for k, n in sd.get("draining", {}).items()}
 
 
 def _kernel_lib(*ts: torch.Tensor):

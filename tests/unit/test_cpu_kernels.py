@@ -181,8 +181,14 @@ def test_sign_scale_selfcheck_agrees_with_torch():
     ck = cpu_kernels.lib()
     if ck is None:
         pytest.skip("no compiled kernels here")
+    lanes = cpu_kernels.torch_lanes()
+    if lanes != 8:
+        # the compiled sum follows torch's 8-lane (AVX2) order; under AVX-512 torch sums rows of
+        # >= 8 elements in another order, the self-check declines the kernel and torch computes
+        # the scales (same bits, slower): seen on an Intel Xeon, 2026-12-02
+        pytest.skip(f"torch sums in {lanes} fp32 lanes here; the compiled scales match 8 only")
     for chunk in (1, 5, 8, 128, 129, 2048, 3000):
-        assert S._kernel_lanes(ck, chunk) == cpu_kernels.torch_lanes(), chunk
+        assert S._kernel_lanes(ck, chunk) == lanes, chunk
 
 
 @pytest.mark.parametrize("world,bits", [(2, 8), (4, 4), (32, 8)])  # int8 wire, and int32 (32 ranks)

@@ -97,3 +97,34 @@ def test_momentum_residual_fused_equals_momentum_then_residual():
         own = torch.where(xa.abs() > xa.abs().median(), xa, torch.zeros_like(xa))
         a.update_(0, xa, own)
         b.update_(0, xb, own)
+
+
+def test_drain_adds_equal_shares_and_survives_a_checkpoint():
+    """A residual drained over n dense steps: every step adds r0 / n (the last empties it and
+    drops it), the count is checkpointed, and compressing again stops the drain."""
+    g = torch.Generator().manual_seed(3)
+    r0 = torch.randn(1000, generator=g)
+    ef = ErrorFeedback()
+    ef.residuals[0] = r0.clone()
+    ef.start_drain(0, 4)
+    ef.start_drain(1, 4)  # no residual for bucket 1: nothing to drain
+    assert ef.draining == {0: 4}
+    added = []
+    for i in range(4):
+        if i == 2:  # a checkpoint half-way resumes the same drain
+            sd = ef.state_dict()
+            ef = ErrorFeedback()
+            ef.load_state_dict(sd)
+            assert ef.draining == {0: 2}
+        x = torch.zeros(1000)
+        added.append(ef.drain_step_(0, x).clone())
+    for a in added:
+        torch.testing.assert_close(a, r0 / 4, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(sum(added), r0, rtol=1e-5, atol=1e-6)
+    assert 0 not in ef.residuals and ef.draining == {}
+    x = torch.ones(3)
+    assert ef.drain_step_(0, x) is x and torch.equal(x, torch.ones(3))  # nothing left: no-op
+    ef.residuals[2] = torch.ones(3)
+    ef.start_drain(2, 3)
+    ef.reset(2)
+    assert ef.draining == {}
