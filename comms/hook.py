@@ -30,10 +30,11 @@ __all__ = ["compression_hook", "dense_allreduce", "RESIDUAL_DRAIN_STEPS"]
 
 logger = logging.getLogger(__name__)
 
-#: dense steps over which a bucket's error-feedback residual is added when the bucket moves
-#: from a compressed algorithm to plain allreduce (autotune trials, the watchdog, a dense
-#: lock): random-k 1%'s residual holds up to 10 steps of gradient (its residual bound), so
-#: each of 8 shares adds at most ~1.25 of a step; all at once it was a 10x step
+#: dense steps over which a bucket's error-feedback residual is added once plain allreduce is
+#: the decision for it (a dense lock; trial and watchdog dense steps leave the residual for
+#: the compressed steps that follow): random-k 1%'s residual holds up to 10 steps of gradient
+#: (its residual bound), so each of 8 shares adds at most ~1.25 of a step; added at once, or
+#: at every trial/watchdog switch, it was a 10x step (loss 0.5 -> 44-113, bench/results)
 RESIDUAL_DRAIN_STEPS = 8
 
 
@@ -64,6 +65,13 @@ def _on_nonfinite(state: CompressionState):
         else:
             logger.debug(msg, bucket, step)
     return reset
+
+
+def _dense_for_now(state: CompressionState) -> bool:
+    """This dense step is an autotune trial's or a watchdog check's: the decision may be to
+    compress (the same on every rank: the tuner's schedule is)."""
+    tuner = getattr(state.planner, "tuner", None) if state.planner is not None else None
+    return tuner is not None and (not tuner.locked or tuner.rule != tuner.decision)
 
 
 def _local_(state: CompressionState, index: int, x: torch.Tensor, div: int = 1) -> None:
@@ -111,16 +119,19 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         state.dense_calls += 1
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
-        draining = index in state.memory.draining
-        if not switched and not draining and not state.local_transform:
+        kept = state.error_feedback and index in state.memory.residuals
+        if not switched and not kept and not state.local_transform:
             return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
         _local_(state, index, x, world)
         if switched:
             _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
             state.algo_store.pop(index, None)  # the store is spent; the velocity is not
-            if state.error_feedback:  # the residual goes out in equal shares over dense steps
+        # the residual waits through a trial's or the watchdog's dense steps (compression comes
+        # back); once dense is the decision it goes out in equal shares over a few dense steps
+        if kept and not _dense_for_now(state):
+            if index not in state.memory.draining:
                 state.memory.start_drain(index, RESIDUAL_DRAIN_STEPS)
-        state.memory.drain_step_(index, x)
+            state.memory.drain_step_(index, x)
         return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     alg = get_algorithm(name)
     state.memory.draining.pop(index, None)  # back to compressing: what is left is a residual again

@@ -231,6 +231,44 @@ def test_switch_to_dense_drains_residuals(alg):
     assert float(excess.max()) <= share * 1.01 + 1e-5
 
 
+def _kept_through_trials(rank, world):
+    fake = {"dense": 2.0, "allgather": 1.0}  # compression wins: trials, a lock, watchdog checks
+    model, state, _ = _ddp("randomk:density=0.05", candidates=["allgather"],
+                           timing=lambda rule, s: fake[rule], lr=0.0)
+    tuner = state.planner.tuner
+    tuner.watch_every = 3
+    rules, mem = [], []
+    for step in range(24):
+        x, y = batch(rank, step)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        rules.append(tuner.rule)
+        mem.append({k: r.clone() for k, r in state.memory.residuals.items()})
+    return {"rules": rules, "mem": mem, "params": flat_params(model.module),
+            "draining": dict(state.memory.draining), "decision": tuner.decision}
+
+
+@pytest.mark.timeout(150)
+def test_trial_and_watchdog_dense_steps_keep_the_residual():
+    """Dense steps that a trial or a watchdog check runs while compression stays the decision
+    leave the error-feedback residual as it is (it returns with the compressed steps): adding
+    random-k's residual at each of them made 10x steps and loss spikes."""
+    out = spawn(_kept_through_trials, 2, timeout=120)
+    assert out[0]["decision"] == "allgather" and out[0]["rules"] == out[1]["rules"]
+    rules = out[0]["rules"]
+    checked = 0
+    for o in out:
+        for t in range(1, len(rules)):
+            if rules[t] == "dense" and o["mem"][t - 1]:  # a dense step after compressed ones
+                assert o["mem"][t].keys() == o["mem"][t - 1].keys()
+                for k in o["mem"][t]:
+                    assert torch.equal(o["mem"][t][k], o["mem"][t - 1][k]), (t, k)
+                checked += 1
+        assert o["draining"] == {}
+    # trial rounds after the first and at least one watchdog check (after the lock) were seen
+    assert checked >= 4 and "dense" in rules[rules.index("allgather"):]
+
+
 # -- resume keeps the locked plan ---------------------------------------------------------------
 def _first(rank, world, ckpt):
     fake = {"dense": 1.0, "allgather": 0.5, "two_phase": 0.8}
