@@ -38,8 +38,11 @@ Timing. A step's time is the wall time between the hook's calls for bucket 0 of 
 steps (DDP launches bucket 0 first, after the previous step's futures were waited for), so it
 spans a whole training step — forward, backward, communication, optimizer — and sees
 everything a plan costs. Error feedback across switches: when a bucket moves to another
-algorithm, the hook adds the residuals that belonged to the old one into the bucket once
-(``Algorithm.flush_residual_``), so no gradient mass is lost.
+algorithm, the hook adds what the old algorithm kept (``Algorithm.flush_residual_``, e.g.
+two_phase's owner residual) into the bucket once; the hook's own residual stays through the
+dense steps of a trial or a watchdog check (compression comes back) and, once dense is the
+decision, goes out in 8 equal shares (``comms.hook.RESIDUAL_DRAIN_STEPS``): no gradient mass
+is lost and none arrives as a burst.
 
 Example::
 
