@@ -29,9 +29,15 @@ from pathlib import Path
 import torch
 
 __all__ = ["ENV_SWITCH", "FLAGS", "lib", "enabled", "threads", "source_path", "ptr", "dtype_code",
-           "torch_lanes", "build_error"]
+           "SUM_LANES", "build_error"]
 
 logger = logging.getLogger(__name__)
+
+# fp32 vector widths the compiled row sums can follow, most common first: torch's sum runs at 8
+# lanes on AVX2 and, measured with torch 2.13, on an AVX-512 Xeon too (its capability says
+# AVX512; only kernels torch also registers for AVX-512 run 16 lanes), 16 where a build runs its
+# sum at AVX-512. Callers check which one reproduces torch.
+SUM_LANES = (8, 16)
 
 ENV_SWITCH = "COMMPRESS_CPU_KERNELS"
 #: -ffp-contract=off: no multiply-add is fused (bits must equal the torch path's)
@@ -171,14 +177,3 @@ _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def dtype_code(dtype: torch.dtype) -> int | None:
     return _DT.get(dtype)
-
-
-def torch_lanes() -> int | None:
-    """fp32 lanes of torch's CPU vector code (``Vectorized<float>::size()``) for the capability
-    torch dispatched at run time: what its reductions' summation order depends on."""
-    cap = torch.backends.cpu.get_cpu_capability().upper()
-    if cap.startswith("AVX512"):
-        return 16
-    if cap in ("AVX2", "DEFAULT", "NO AVX", "ZVECTOR", "VSX"):
-        return 8
-    return None

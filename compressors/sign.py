@@ -47,24 +47,27 @@ _LANES_OK: dict = {}
 
 
 def _kernel_lanes(ck, chunk: int):
-    """torch's fp32 vector width when the compiled scales match torch's ``mean`` bits for
-    rows of ``chunk`` (checked once per chunk size on a few rows and a short tail: the sum's
-    order is torch's, which the format does not pin down), else None (torch computes them)."""
+    """The fp32 vector width (8 or 16) at which the compiled scales match torch's ``mean`` bits
+    for rows of ``chunk``, else None (torch computes them). Checked once per chunk size on a few
+    rows and a short tail, each width in turn: the sum's order is torch's, which the format does
+    not pin down, and it follows the width of the kernel torch dispatched for ``sum``, not the
+    CPU's capability (torch 2.13 on an AVX-512 Xeon reports ``AVX512`` and sums in 8 lanes)."""
     ok = _LANES_OK.get(chunk)
     if ok is None:
-        lanes = cpu_kernels.torch_lanes()
+        g = torch.Generator().manual_seed(chunk)
+        n = 3 * chunk + max(1, chunk // 2 + 1)
+        x = torch.randn(n, generator=g) * torch.exp(4 * torch.randn(n, generator=g))
+        want = ScaledSign(chunk, align="flat")._scales(x)
+        got = torch.empty_like(want)
+        bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
         ok = 0
-        if lanes is not None:
-            g = torch.Generator().manual_seed(chunk)
-            n = 3 * chunk + max(1, chunk // 2 + 1)
-            x = torch.randn(n, generator=g) * torch.exp(4 * torch.randn(n, generator=g))
-            want = ScaledSign(chunk, align="flat")._scales(x)
-            got = torch.empty_like(want)
-            bits = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
+        for lanes in cpu_kernels.SUM_LANES:
             ck.cp_sign_encode(x.data_ptr(), 0, n, chunk, lanes, got.data_ptr(), bits.data_ptr(), 1)
-            ok = lanes if torch.equal(got.view(torch.int32), want.view(torch.int32)) else 0
-            if not ok:
-                logger.debug("sign scales: compiled sum differs from torch's for chunk %d", chunk)
+            if torch.equal(got.view(torch.int32), want.view(torch.int32)):
+                ok = lanes
+                break
+        if not ok:
+            logger.debug("sign scales: compiled sum differs from torch's for chunk %d", chunk)
         _LANES_OK[chunk] = ok
     return ok or None
 

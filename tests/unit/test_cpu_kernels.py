@@ -181,14 +181,24 @@ def test_sign_scale_selfcheck_agrees_with_torch():
     ck = cpu_kernels.lib()
     if ck is None:
         pytest.skip("no compiled kernels here")
-    lanes = cpu_kernels.torch_lanes()
-    if lanes != 8:
-        # the compiled sum follows torch's 8-lane (AVX2) order; under AVX-512 torch sums rows of
-        # >= 8 elements in another order, the self-check declines the kernel and torch computes
-        # the scales (same bits, slower): seen on an Intel Xeon, 2026-12-02
-        pytest.skip(f"torch sums in {lanes} fp32 lanes here; the compiled scales match 8 only")
+    if not torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512")):
+        pytest.skip("the compiled sums follow x86 torch's 8/16-lane orders only")
+    # x86 torch sums in 8 lanes (AVX2) or 16; the self-check must find the width at every chunk
+    # size, the cascade (>= 16 groups of four vectors: 2048, 3000) and a tail (129) included.
+    # On an AVX-512 Xeon torch reports AVX512 and still sums in 8 lanes (2026-12-03): checking
+    # only the capability's width declined the kernel there.
+    S._LANES_OK.clear()
     for chunk in (1, 5, 8, 128, 129, 2048, 3000):
-        assert S._kernel_lanes(ck, chunk) == lanes, chunk
+        assert S._kernel_lanes(ck, chunk) in cpu_kernels.SUM_LANES, chunk
+    # and the width it found gives torch's bits on fresh data, not only on the self-check's rows
+    x = torch.randn(40_000, generator=torch.Generator().manual_seed(7))
+    for chunk in (128, 2048):
+        codec = S.ScaledSign(chunk, align="flat")
+        got = torch.empty(codec.nchunks(x.numel()))
+        bits = torch.empty(S.packed_nbytes(x.numel(), 1), dtype=torch.uint8)
+        ck.cp_sign_encode(x.data_ptr(), 0, x.numel(), chunk, S._kernel_lanes(ck, chunk),
+                          got.data_ptr(), bits.data_ptr(), 1)
+        assert torch.equal(got.view(torch.int32), codec._scales(x).view(torch.int32)), chunk
 
 
 @pytest.mark.parametrize("world,bits", [(2, 8), (4, 4), (32, 8)])  # int8 wire, and int32 (32 ranks)
