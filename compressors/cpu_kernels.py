@@ -33,10 +33,9 @@ __all__ = ["ENV_SWITCH", "FLAGS", "lib", "enabled", "threads", "source_path", "p
 
 logger = logging.getLogger(__name__)
 
-# fp32 vector widths the compiled row sums can follow, most common first: torch's sum runs at 8
-# lanes on AVX2 and, measured with torch 2.13, on an AVX-512 Xeon too (its capability says
-# AVX512; only kernels torch also registers for AVX-512 run 16 lanes), 16 where a build runs its
-# sum at AVX-512. Callers check which one reproduces torch.
+# fp32 vector widths the compiled row sums can follow, most common first. torch's sum ran at 8
+# lanes on AVX2 and also on an AVX-512 Xeon (torch 2.13, capability "AVX512"), so the width is
+# measured, not read from the capability: callers keep the one that reproduces torch's bits.
 SUM_LANES = (8, 16)
 
 ENV_SWITCH = "COMMPRESS_CPU_KERNELS"
