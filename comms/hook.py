@@ -180,7 +180,12 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
         # here it would reach backward() bare ("index out of range in self")
         raise _round_failure(what, exc) from None
-    mask = state.momentum is not None and state.momentum_masking and getattr(compressor, "sparsifies", False)
+    masking = state.momentum_masking if state.momentum is not None and getattr(
+        compressor, "sparsifies", False) else "off"
+    mask = masking == "sent"  # DGC: wherever this rank sent
+    # "held": where the aggregate left out what this rank sent (only algorithms that compress
+    # again after the sum can); elsewhere every sent value landed and momentum goes on
+    mask_held = masking == "held" and alg.holds_back
 
     def finish(f):
         try:
@@ -188,6 +193,9 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
+        if mask_held:  # compared before the aggregate goes into x (own may alias a buffer)
+            own, total = materialized(own), materialized(total)
+            state.memory.mask_held_(index, own, total)
         if state.error_feedback and mask:  # residual and masking in one pass
             state.memory.update_masked_(index, x, materialized(own))
         elif state.error_feedback and isinstance(own, Deferred) and isinstance(total, Deferred):

@@ -56,6 +56,20 @@ def _check_momentum(momentum):
     return float(momentum)
 
 
+MASKING_MODES = ("held", "sent", "off")
+
+
+def _check_masking(momentum_masking) -> str:
+    """``momentum_masking`` as one of :data:`MASKING_MODES` (``True``: ``"sent"``, DGC's rule;
+    ``False``: ``"off"``)."""
+    if momentum_masking is True or momentum_masking is False:
+        return "sent" if momentum_masking else "off"
+    if isinstance(momentum_masking, str) and momentum_masking in MASKING_MODES:
+        return momentum_masking
+    raise TypeError(f"momentum_masking must be one of {MASKING_MODES} or a bool, got "
+                    f"{momentum_masking!r}")
+
+
 def _check_clip(clip_norm):
     if clip_norm is None:
         return None
@@ -135,10 +149,18 @@ class CompressionState:
             momentum (dampening 0, no Nesterov). ``None`` (default): off — then an optimizer's
             momentum meets error feedback, which diverges for aggressive biased compressors
             (README, Convergence).
-        momentum_masking: with ``momentum``, zero the velocity where a sparsifier (top-k,
-            random-k) sent a value (DGC's momentum factor masking): the sent coordinate's mass
-            left with its residual, so its stale momentum must not keep pushing. Compressors
-            that send every coordinate (sign, QSGD) are never masked. Default ``True``.
+        momentum_masking: with ``momentum`` and a sparsifier (top-k, random-k), where to zero
+            the velocity (momentum factor masking; compressors that send every coordinate,
+            sign and QSGD, are never masked). ``"held"`` (default): where this rank sent a
+            value that the aggregate held back — an algorithm that compresses again after
+            the sum (``two_phase``'s owner, the hierarchical forms) keeps it in a residual of
+            its own, and momentum pushing on while that mass waits is what made top-k
+            two_phase diverge with masking off. With ``allgather`` and ``allreduce`` every
+            sent value lands in the same step's aggregate, so nothing is masked there: the
+            momentum of a sent coordinate goes on exactly as SGD's would. ``"sent"`` (or
+            ``True``): wherever a value was sent (DGC's rule; it drops the momentum tail of
+            every sent coordinate, which slowed top-k 1% to 4.9x dense's final loss on the
+            digits MLP: README, Convergence). ``"off"`` (or ``False``): never.
         clip_norm: local gradient clipping (DGC): each rank scales its share of every bucket
             so that the bucket's L2 norm is at most ``clip_norm / world`` before momentum and
             error feedback, i.e. the averaged bucket gradient has norm <= ``clip_norm``. Per
@@ -185,7 +207,7 @@ class CompressionState:
                  communicator: Communicator | None = None, error_feedback: bool | None = None,
                  start_iter: int = 2, algorithm: str | None = None, seed: int = 0,
                  min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 2,
-                 timeout=None, momentum: float | None = None, momentum_masking: bool = True,
+                 timeout=None, momentum: float | None = None, momentum_masking: "str | bool" = "held",
                  clip_norm: float | None = None, residual_bound: "float | str | None" = "auto",
                  warmup_steps: int = 0):
         if not isinstance(compressor, (str, Compressor)):
@@ -216,8 +238,7 @@ class CompressionState:
                 raise ValueError(f"residual_bound must be 'auto', None or a finite number >= 1, "
                                  f"got {residual_bound!r}")
             residual_bound = float(residual_bound)
-        if not isinstance(momentum_masking, bool):
-            raise TypeError(f"momentum_masking must be True or False, got {momentum_masking!r}")
+        momentum_masking = _check_masking(momentum_masking)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             hint = " (for a DeviceMesh pass mesh.get_group(dim))" if "Mesh" in type(process_group).__name__ else ""
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
@@ -450,9 +471,12 @@ class CompressionState:
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this hook uses {self.algorithm!r}")
+        saved = dict(sd)
+        if "momentum_masking" in saved:  # a bool before "held" existed: True was "sent"
+            saved["momentum_masking"] = _check_masking(saved["momentum_masking"])
         for key in ("momentum", "momentum_masking", "clip_norm", "residual_bound", "warmup_steps"):
-            if sd.get(key, getattr(self, key)) != getattr(self, key):
-                raise ValueError(f"state was saved with {key}={sd[key]!r}, this hook uses "
+            if saved.get(key, getattr(self, key)) != getattr(self, key):
+                raise ValueError(f"state was saved with {key}={saved[key]!r}, this hook uses "
                                  f"{key}={getattr(self, key)!r}")
         if self.algorithm == "auto" and sd.get("planner") is not None:
             self.planner.load_state_dict(sd["planner"])  # validates before changing anything

@@ -4,8 +4,10 @@ local velocity of Deep Gradient Compression's momentum correction.
 Momentum correction (Lin et al., ICLR'18): with SGD momentum ``m`` moved from the optimizer
 into the hook, each rank keeps a velocity ``u <- m u + g`` and compresses ``u + r`` instead
 of ``g + r``; the optimizer then runs with momentum 0. Momentum factor masking zeroes ``u``
-where the compressor sent a value (sparsifiers), so a coordinate's stale momentum does not keep
-pushing after its accumulated mass went out. Both are per rank and per bucket, in the units
+where the compressor sent a value (sparsifiers; :meth:`ErrorFeedback.mask_velocity_`, DGC's
+rule), so a coordinate's stale momentum does not keep pushing after its accumulated mass went
+out; :meth:`ErrorFeedback.mask_held_` zeroes it only where the aggregate held back what was
+sent (the hook's default). Both are per rank and per bucket, in the units
 the hook compresses (already divided by the world size); everything here runs before the
 collective or on this rank's own decoded payload, so it is private arithmetic
 (comms/ARCHITECTURE.md §5).
@@ -196,6 +198,15 @@ class ErrorFeedback:
         u = self.velocities.get(bucket)
         if u is not None and u.numel() == sent.numel():
             u.masked_fill_(sent != 0, 0)
+
+    def mask_held_(self, bucket: int, sent: torch.Tensor, aggregate: torch.Tensor) -> None:
+        """Momentum factor masking where the aggregate held back what this rank sent:
+        ``u[(sent != 0) & (aggregate == 0)] = 0`` (``sent``: this rank's own decoded payload;
+        ``aggregate``: the decoded sum every rank received). A coordinate whose sum cancels to
+        exactly 0 counts as held back too (rare; masking it only drops its momentum)."""
+        u = self.velocities.get(bucket)
+        if u is not None and u.numel() == sent.numel() == aggregate.numel():
+            u.masked_fill_(torch.ne(sent, 0).logical_and_(torch.eq(aggregate, 0)), 0)
 
     def reset(self, bucket: int | None = None) -> None:
         if bucket is None:

@@ -23,7 +23,11 @@ Contract of a subclass:
 * ``flush_residual_(x, store, comm, numel=None)``: on a switch away from this algorithm, add
   any residual it keeps in ``store`` into ``x`` where the next aggregation counts it exactly
   once; returns whether it added one (default: keeps none);
-* optional ``error_bound(compressor, xs, dtype=None)``: per-element bound of ``|sum - sum(xs)|``.
+* optional ``error_bound(compressor, xs, dtype=None)``: per-element bound of ``|sum - sum(xs)|``;
+* ``holds_back``: whether the aggregate can keep back part of what a rank sent (a second
+  compression after the sum, whose residual stays with one rank: two_phase's owner, the
+  hierarchical forms' shard). The hook's default momentum masking (``"held"``) zeroes the
+  velocity only where that happened.
 
 Hierarchical forms are built by composition (:class:`comms.algorithms.hierarchical.Hierarchical`
 wraps any flat instance); nothing parses names.
@@ -64,6 +68,9 @@ class Algorithm:
     #: ``__call__`` takes ``deferred=True`` and may then return ``(sum, own)`` as
     #: :class:`compressors.base.Deferred` results (written by the hook where they go)
     deferred_results: bool = False
+    #: the aggregate may leave out a coordinate a rank sent (held in a residual of the
+    #: algorithm's own, e.g. two_phase's owner re-compression); see the module docstring
+    holds_back: bool = False
 
     def __call__(self, comm, compressor, x, ctx, store):
         raise NotImplementedError

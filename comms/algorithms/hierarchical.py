@@ -54,6 +54,7 @@ class Hierarchical(Algorithm):
     """
 
     hierarchical = True
+    holds_back = True  # the inter-node compression of the node's shard keeps its residual
 
     def __init__(self, inner: Algorithm):
         if inner.hierarchical:

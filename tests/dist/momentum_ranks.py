@@ -22,7 +22,7 @@ import comms
 
 from .replica_ranks import OddNet
 
-__all__ = ["dataset", "train_final"]
+__all__ = ["dataset", "train_final", "masking_calls"]
 
 LR, MOMENTUM = 0.05, 0.9
 
@@ -74,3 +74,45 @@ def train_final(rank: int, world: int, spec: str | None, algorithm: str | None, 
     return {"loss": sum(losses) / len(losses), "compressed_calls": compressed,
             "momentum": None if state is None else state.momentum,
             "opt_momentum": opt.param_groups[0]["momentum"]}
+
+
+def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict:
+    """Train ``steps`` steps the default way (``register(..., optimizer=opt)``, top-k 5% on
+    ``algorithm``) and record every velocity masking the hook does: for ``mask_held_``
+    ``(u before, sent, aggregate, u after)``; the DGC-rule methods only count their calls."""
+    from compressors import ErrorFeedback
+
+    calls: dict = {"held": [], "sent": 0}
+    held, update_masked, mask_velocity = (ErrorFeedback.mask_held_, ErrorFeedback.update_masked_,
+                                          ErrorFeedback.mask_velocity_)
+
+    def spy_held(self, bucket, sent, aggregate):
+        u = self.velocities.get(bucket)
+        before = None if u is None else u.clone()
+        held(self, bucket, sent, aggregate)
+        calls["held"].append((before, sent.clone(), aggregate.clone(),
+                              None if u is None else u.clone()))
+
+    def spy_update_masked(self, *a):
+        calls["sent"] += 1
+        return update_masked(self, *a)
+
+    def spy_mask_velocity(self, *a):
+        calls["sent"] += 1
+        return mask_velocity(self, *a)
+
+    ErrorFeedback.mask_held_ = spy_held  # this rank's process only
+    ErrorFeedback.update_masked_ = spy_update_masked
+    ErrorFeedback.mask_velocity_ = spy_mask_velocity
+    x_all, y_all = dataset()
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(OddNet(), find_unused_parameters=True, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    comms.register(ddp, "topk:density=0.05", algorithm=algorithm, optimizer=opt)
+    for s in range(steps):
+        idx = torch.arange(16) + 16 * (rank + world * s)
+        loss = nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return calls

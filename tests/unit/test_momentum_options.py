@@ -17,6 +17,7 @@ from compressors import ErrorFeedback
     ({"momentum": "0.9"}, TypeError), ({"momentum": True}, TypeError),
     ({"clip_norm": 0.0}, ValueError), ({"clip_norm": float("inf")}, ValueError),
     ({"clip_norm": "1"}, TypeError), ({"momentum_masking": 1}, TypeError),
+    ({"momentum_masking": "always"}, TypeError),
     ({"residual_bound": 0.5}, ValueError), ({"residual_bound": "big"}, ValueError),
 ])
 def test_bad_options_name_the_value(kw, exc):
@@ -46,6 +47,36 @@ def test_momentum_correction_and_masking_arithmetic():
     assert 0 not in mem.velocities
 
 
+def test_mask_held_zeroes_only_what_the_aggregate_left_out():
+    mem = ErrorFeedback()
+    mem.velocities[0] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    sent = torch.tensor([0.0, 7.0, 7.0, -0.0, 7.0])  # -0.0 is not a sent value
+    aggregate = torch.tensor([0.0, 9.0, 0.0, 0.0, -0.0])  # coordinates 2 and 4 held back
+    mem.mask_held_(0, sent, aggregate)
+    assert torch.equal(mem.velocities[0], torch.tensor([1.0, 2.0, 0.0, 4.0, 0.0]))
+    mem.mask_held_(0, sent[:4], aggregate[:4])  # another layout: left alone
+    assert torch.equal(mem.velocities[0], torch.tensor([1.0, 2.0, 0.0, 4.0, 0.0]))
+
+
+@pytest.mark.parametrize("value, mode", [("held", "held"), ("sent", "sent"), ("off", "off"),
+                                         (True, "sent"), (False, "off")])
+def test_momentum_masking_modes(value, mode):
+    st = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum_masking=value)
+    assert st.momentum_masking == mode
+    assert CompressionState("topk", None, algorithm="allgather").momentum_masking == "held"
+
+
+def test_checkpoint_with_a_bool_masking_loads_as_its_mode():
+    sd = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.9,
+                          momentum_masking="sent").state_dict()
+    sd["momentum_masking"] = True  # what checkpoints held before the modes existed
+    CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.9,
+                     momentum_masking="sent").load_state_dict(sd)
+    with pytest.raises(ValueError, match="momentum_masking='sent'"):
+        CompressionState("topk:density=0.01", None, algorithm="allgather",
+                         momentum=0.9).load_state_dict(sd)
+
+
 def test_state_dict_holds_velocities_and_options():
     st = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.9, clip_norm=2.0)
     st.memory.velocities[3] = torch.arange(4.0)
@@ -55,7 +86,7 @@ def test_state_dict_holds_velocities_and_options():
     buf.seek(0)
     back = torch.load(buf, weights_only=True)
     assert torch.equal(back["memory"]["velocities"][3], torch.arange(4.0))
-    assert (back["momentum"], back["clip_norm"], back["momentum_masking"]) == (0.9, 2.0, True)
+    assert (back["momentum"], back["clip_norm"], back["momentum_masking"]) == (0.9, 2.0, "held")
     fresh = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.9, clip_norm=2.0)
     fresh.load_state_dict(back)
     assert torch.equal(fresh.memory.velocities[3], torch.arange(4.0))
