@@ -193,10 +193,13 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
-        if mask_held:  # compared before the aggregate goes into x (own may alias a buffer)
+        if mask_held:  # before the aggregate goes into x; residual and masking in one pass
             own, total = materialized(own), materialized(total)
-            state.memory.mask_held_(index, own, total)
-        if state.error_feedback and mask:  # residual and masking in one pass
+            if state.error_feedback:
+                state.memory.update_held_(index, x, own, total)
+            else:
+                state.memory.mask_held_(index, own, total)
+        elif state.error_feedback and mask:  # residual and masking in one pass
             state.memory.update_masked_(index, x, materialized(own))
         elif state.error_feedback and isinstance(own, Deferred) and isinstance(total, Deferred):
             return state.memory.update_into_(index, x, own, total)  # x read once, written once

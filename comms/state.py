@@ -43,7 +43,8 @@ _PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
-                 "min_compress_numel", "step", "numel", "dtype", "momentum", "clip_norm", "residual_bound", "warmup_steps")
+                 "min_compress_numel", "step", "numel", "dtype", "momentum", "momentum_masking", "clip_norm", "residual_bound",
+                 "warmup_steps")
 
 
 def _check_momentum(momentum):
@@ -335,7 +336,8 @@ class CompressionState:
         """The values of :data:`CONFIG_FIELDS` for one bucket (what all ranks must agree on)."""
         return (self.compressor.spec(), self.algorithm_for(bucket_index, numel, dtype), self.seed,
                 self.start_iter, self.error_feedback, self.min_compress_numel, step, numel,
-                str(dtype), self.momentum, self.clip_norm, self.residual_bound, self.warmup_steps)
+                str(dtype), self.momentum, self.momentum_masking, self.clip_norm,
+                self.residual_bound, self.warmup_steps)
 
     def compressor_at(self, step: int):
         """The compressor for ``step``: a warm-up variant during the first ``warmup_steps``

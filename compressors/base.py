@@ -275,8 +275,9 @@ class Compressor:
             exchange needed).
         unbiased: E[decompress(compress(x))] == x over the hash-RNG streams.
         sparsifies: decompress is zero wherever no value was sent (top-k, random-k): the
-            hook's momentum factor masking zeroes the velocity at the nonzeros of a rank's own
-            decoded payload.
+            hook's momentum factor masking reads the nonzeros of a rank's own decoded payload
+            as what it sent (and, by default, zeroes the velocity only where the aggregate
+            came back 0 there: ``CompressionState``'s ``momentum_masking``).
         momentum_correction: with SGD momentum, ``comms.register(..., optimizer=opt)`` moves
             the momentum into the hook and applies it before compression (Deep Gradient
             Compression's momentum correction) — True for the element-wise compressors, whose

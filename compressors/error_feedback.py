@@ -192,6 +192,22 @@ class ErrorFeedback:
                        None if u is None else u.data_ptr(), x.numel(), cpu_kernels.threads())
         return r
 
+    def update_held_(self, bucket: int, x: torch.Tensor, sent: torch.Tensor,
+                     aggregate: torch.Tensor) -> torch.Tensor:
+        """:meth:`update_` (``sent`` as ``decoded``) then :meth:`mask_held_`, in one compiled
+        pass over fp32 CPU buckets (same bits); returns the residual."""
+        u = self.velocities.get(bucket)
+        if u is not None and u.numel() != x.numel():
+            u = None
+        r = self.residual(bucket, x)
+        c = None if r is None or u is None else _kernel_lib(x, sent, aggregate, r, u)
+        if c is None:  # the torch steps (and the first step's allocation)
+            self.mask_held_(bucket, sent, aggregate)
+            return self.update_(bucket, x, sent)
+        c.cp_ef_update_held(x.data_ptr(), sent.data_ptr(), aggregate.data_ptr(), r.data_ptr(),
+                            u.data_ptr(), x.numel(), cpu_kernels.threads())
+        return r
+
     def mask_velocity_(self, bucket: int, sent: torch.Tensor) -> None:
         """Momentum factor masking: ``u[sent != 0] = 0`` (``sent``: this rank's own decoded
         payload; nonzero where the sparsifier sent a value)."""

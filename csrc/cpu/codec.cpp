@@ -625,7 +625,7 @@ void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
-API int cp_abi_version() { return 3; }
+API int cp_abi_version() { return 4; }
 
 API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
                         u8* packed, int nth) {
@@ -733,6 +733,22 @@ API void cp_ef_update(const float* x, const float* own, float* r, float* u, i64 
       }
     } else {
       for (i64 i = u0 * U; i < e1; ++i) r[i] = x[i] - own[i];
+    }
+  });
+}
+
+// The same with the hook's default masking ("held"): u <- 0 only where this rank sent a value
+// (own != 0) and the aggregate came back without it (agg == 0). Torch twin: torch.sub(x, own,
+// out=r) then u.masked_fill_((own != 0) & (agg == 0), 0): the same bits.
+API void cp_ef_update_held(const float* x, const float* own, const float* agg, float* r, float* u,
+                           i64 n, int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    const i64 e1 = std::min(n, u1 * U);
+    for (i64 i = u0 * U; i < e1; ++i) {
+      const float o = own[i];
+      r[i] = x[i] - o;
+      if (o != 0.0f && agg[i] == 0.0f) u[i] = 0.0f;
     }
   });
 }

@@ -78,20 +78,34 @@ def train_final(rank: int, world: int, spec: str | None, algorithm: str | None, 
 
 def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict:
     """Train ``steps`` steps the default way (``register(..., optimizer=opt)``, top-k 5% on
-    ``algorithm``) and record every velocity masking the hook does: for ``mask_held_``
-    ``(u before, sent, aggregate, u after)``; the DGC-rule methods only count their calls."""
+    ``algorithm``) and record every velocity masking the hook does: for ``mask_held_`` and
+    ``update_held_`` (compiled or torch) ``(u before, sent, aggregate, u after)``; the DGC-rule
+    methods only count their calls."""
     from compressors import ErrorFeedback
 
-    calls: dict = {"held": [], "sent": 0}
-    held, update_masked, mask_velocity = (ErrorFeedback.mask_held_, ErrorFeedback.update_masked_,
-                                          ErrorFeedback.mask_velocity_)
+    calls: dict = {"held": [], "sent": 0, "depth": 0}
+    held, update_held = ErrorFeedback.mask_held_, ErrorFeedback.update_held_
+    update_masked, mask_velocity = ErrorFeedback.update_masked_, ErrorFeedback.mask_velocity_
 
-    def spy_held(self, bucket, sent, aggregate):
+    def recorded(call, self, bucket, sent, aggregate):
         u = self.velocities.get(bucket)
         before = None if u is None else u.clone()
-        held(self, bucket, sent, aggregate)
-        calls["held"].append((before, sent.clone(), aggregate.clone(),
-                              None if u is None else u.clone()))
+        calls["depth"] += 1  # update_held_'s torch steps call mask_held_: record once
+        try:
+            out = call()
+        finally:
+            calls["depth"] -= 1
+        if calls["depth"] == 0:
+            calls["held"].append((before, sent.clone(), aggregate.clone(),
+                                  None if u is None else u.clone()))
+        return out
+
+    def spy_held(self, bucket, sent, aggregate):
+        return recorded(lambda: held(self, bucket, sent, aggregate), self, bucket, sent, aggregate)
+
+    def spy_update_held(self, bucket, x, sent, aggregate):
+        return recorded(lambda: update_held(self, bucket, x, sent, aggregate), self, bucket, sent,
+                        aggregate)
 
     def spy_update_masked(self, *a):
         calls["sent"] += 1
@@ -102,6 +116,7 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict
         return mask_velocity(self, *a)
 
     ErrorFeedback.mask_held_ = spy_held  # this rank's process only
+    ErrorFeedback.update_held_ = spy_update_held
     ErrorFeedback.update_masked_ = spy_update_masked
     ErrorFeedback.mask_velocity_ = spy_mask_velocity
     x_all, y_all = dataset()
@@ -115,4 +130,5 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    calls.pop("depth")
     return calls

@@ -112,3 +112,4 @@ def test_masking_only_where_the_aggregate_held_back(algorithm):
             n_held += int((held & (before != 0)).sum())
             n_kept += int(((sent != 0) & (agg != 0) & (after != 0)).sum())
         assert n_held > 0 and n_kept > 0, (n_held, n_kept)
+        assert sum(b is not None for b, *_ in calls["held"]) >= 4  # every step's buckets, fused too

@@ -356,6 +356,40 @@ def test_ef_update_with_masking_equals_torch_steps(threads, with_velocity, fallb
             assert 0 not in fast.velocities
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ef_update_held_equals_torch_steps(threads, fallback, monkeypatch):
+    """``r <- x - own`` and the default masking (``u[(own != 0) & (agg == 0)] = 0``) in one
+    compiled pass: the bits of ``update_`` then ``mask_held_`` (the torch steps), incl. -0 in
+    ``own`` and ``agg``, NaN and inf, over three steps; the first step (no residual yet) takes
+    the torch steps."""
+    from compressors.error_feedback import ErrorFeedback
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(10 + threads)
+    fast, ref = ErrorFeedback(), ErrorFeedback()
+    u = torch.randn(300_007, generator=g)
+    fast.velocities[0], ref.velocities[0] = u.clone(), u.clone()
+    for step in range(3):
+        x = torch.randn(300_007, generator=g)
+        own = torch.where(x.abs() > 1.5, x * 0.75, torch.zeros_like(x))
+        own[::101] = -0.0
+        agg = torch.where(torch.rand(x.numel(), generator=g) < 0.5, own * 2, torch.zeros_like(x))
+        agg[::77] = -0.0
+        if step == 2:
+            own[9], own[10], agg[12], x[11] = float("nan"), float("inf"), float("nan"), float("-inf")
+        r_fast = fast.update_held_(0, x, own, agg)
+        with fallback():
+            r_ref = ref.update_(0, x, own)
+            ref.mask_held_(0, own, agg)
+        assert r_fast is fast.residuals[0]
+        assert torch.equal(r_fast.view(torch.int32), r_ref.view(torch.int32)), step
+        assert torch.equal(fast.velocities[0].view(torch.int32), ref.velocities[0].view(torch.int32)), step
+        held = (own != 0) & (agg == 0)
+        assert bool(held.any()) and bool((fast.velocities[0][held] == 0).all())
+        fast.velocities[0].add_(1.0)  # nonzero again for the next step's check
+        ref.velocities[0].add_(1.0)
+
+
 def test_hook_flag_from_the_pass_max():
     """The hook's non-finite flag from the fused pass's max |x| bits: NaN and inf flag, and so
     does a finite bucket whose sum could leave fp32's range; ordinary values do not."""
