@@ -43,8 +43,8 @@ _PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
-                 "min_compress_numel", "step", "numel", "dtype", "momentum", "momentum_masking", "clip_norm", "residual_bound",
-                 "warmup_steps")
+                 "min_compress_numel", "step", "numel", "dtype", "momentum", "momentum_masking",
+                 "clip_norm", "residual_bound", "warmup_steps")
 
 
 def _check_momentum(momentum):
@@ -154,14 +154,17 @@ class CompressionState:
             the velocity (momentum factor masking; compressors that send every coordinate,
             sign and QSGD, are never masked). ``"held"`` (default): where this rank sent a
             value that the aggregate held back — an algorithm that compresses again after
-            the sum (``two_phase``'s owner, the hierarchical forms) keeps it in a residual of
-            its own, and momentum pushing on while that mass waits is what made top-k
-            two_phase diverge with masking off. With ``allgather`` and ``allreduce`` every
-            sent value lands in the same step's aggregate, so nothing is masked there: the
-            momentum of a sent coordinate goes on exactly as SGD's would. ``"sent"`` (or
-            ``True``): wherever a value was sent (DGC's rule; it drops the momentum tail of
-            every sent coordinate, which slowed top-k 1% to 4.9x dense's final loss on the
-            digits MLP: README, Convergence). ``"off"`` (or ``False``): never.
+            the sum (``two_phase``'s owner) keeps it in a residual of its own, and momentum
+            pushing on while that mass waits is what made top-k two_phase diverge with
+            masking off. With ``allgather`` and ``allreduce`` every sent value lands in the
+            same step's aggregate, so nothing is masked there: the momentum of a sent
+            coordinate goes on exactly as SGD's would. The hierarchical forms mask nothing
+            either (their compression error is the shard's residual, and the hook does not
+            see what crossed the inter-node link). ``"sent"`` (or ``True``): wherever a value
+            was sent (DGC's rule; it drops the momentum tail of every sent coordinate — top-k
+            on the digits MLP: README, Convergence; with a hierarchical form, where a rank's
+            own contribution is dense, it zeroes nearly all of the velocity). ``"off"`` (or
+            ``False``): never.
         clip_norm: local gradient clipping (DGC): each rank scales its share of every bucket
             so that the bucket's L2 norm is at most ``clip_norm / world`` before momentum and
             error feedback, i.e. the averaged bucket gradient has norm <= ``clip_norm``. Per

@@ -25,9 +25,8 @@ Contract of a subclass:
   once; returns whether it added one (default: keeps none);
 * optional ``error_bound(compressor, xs, dtype=None)``: per-element bound of ``|sum - sum(xs)|``;
 * ``holds_back``: whether the aggregate can keep back part of what a rank sent (a second
-  compression after the sum, whose residual stays with one rank: two_phase's owner, the
-  hierarchical forms' shard). The hook's default momentum masking (``"held"``) zeroes the
-  velocity only where that happened.
+  compression after the sum, whose residual stays with one rank: two_phase's owner). The
+  hook's default momentum masking (``"held"``) zeroes the velocity only where that happened.
 
 Hierarchical forms are built by composition (:class:`comms.algorithms.hierarchical.Hierarchical`
 wraps any flat instance); nothing parses names.

@@ -54,7 +54,11 @@ class Hierarchical(Algorithm):
     """
 
     hierarchical = True
-    holds_back = True  # the inter-node compression of the node's shard keeps its residual
+    # False even around two_phase: ``own`` here is this rank's whole x but the shard's error
+    # (dense), so the hook cannot see what crossed the inter-node link; masking by the
+    # aggregate would zero almost every velocity. The shard's error ``e`` is the node's
+    # error-feedback residual, like a flat rank's (which is not masked either).
+    holds_back = False
 
     def __init__(self, inner: Algorithm):
         if inner.hierarchical:

@@ -136,3 +136,14 @@ def test_warmup_ramps_density_then_keeps_the_compressor():
     assert [q.compressor_at(s).bits for s in range(5)] == [8, 8, 4, 4, 4]
     with pytest.raises(ValueError, match="warmup_steps"):
         CompressionState("sign", None, algorithm="allgather", warmup_steps=-1)
+
+
+def test_only_two_phase_holds_back():
+    """The default masking acts only where an algorithm can leave out what a rank sent: flat
+    two_phase (its owner's re-compression). The hierarchical forms' own contribution is
+    dense, so masking by the aggregate there would zero nearly every velocity."""
+    from comms.algorithms import ALGORITHMS
+
+    held = sorted(name for name, alg in ALGORITHMS.items() if alg.holds_back)
+    assert held == ["two_phase"], held
+    assert {"allgather", "allreduce", "shared_scale", "hier_two_phase"} <= set(ALGORITHMS)
