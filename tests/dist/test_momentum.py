@@ -28,7 +28,9 @@ CASES = [
     ("powersgd:rank=1", "allreduce", "optimizer", {}),  # the optimizer keeps its momentum
 ]
 PSGD_BOUND = 2.5  # measured 1.95x (optimizer momentum); 2.18x with momentum correction
-BOUND = {TOPK: 2.5, "sign": 1.5, "randomk:density=0.01": 6.0}
+# top-k: 2.43x measured with "held" masking (1.68x with DGC's rule) — 3.0 leaves room for
+# another CPU's rounding; divergence (6.7x before issue 17) still fails it
+BOUND = {TOPK: 3.0, "sign": 1.5, "randomk:density=0.01": 6.0}
 
 
 def _body(rank, world, cases, steps):
