@@ -193,20 +193,19 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
-        if mask_held:  # before the aggregate goes into x; residual and masking in one pass
-            own, total = materialized(own), materialized(total)
-            if state.error_feedback:
-                state.memory.update_held_(index, x, own, total)
+        if mask or mask_held:  # before the aggregate goes into x
+            own = materialized(own)
+            held = None
+            if mask_held:
+                held = total = materialized(total)
+            if state.error_feedback:  # residual and masking in one pass
+                state.memory.update_masked_(index, x, own, held)
             else:
-                state.memory.mask_held_(index, own, total)
-        elif state.error_feedback and mask:  # residual and masking in one pass
-            state.memory.update_masked_(index, x, materialized(own))
+                state.memory.mask_velocity_(index, own, held)
         elif state.error_feedback and isinstance(own, Deferred) and isinstance(total, Deferred):
             return state.memory.update_into_(index, x, own, total)  # x read once, written once
         elif state.error_feedback:
             state.memory.update_(index, x, own)  # a Deferred own: x - own in one pass
-        elif mask:
-            state.memory.mask_velocity_(index, materialized(own))
         if isinstance(total, Deferred):
             total.into_(x)  # decoded straight into the bucket (after the residual read x)
         else:

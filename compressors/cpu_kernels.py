@@ -97,7 +97,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     cdll = ctypes.CDLL(str(so))
     _declare(cdll)
-    if cdll.cp_abi_version() != 4:
+    if cdll.cp_abi_version() != 5:
         raise RuntimeError("stale codec library")
     return cdll
 
@@ -122,10 +122,8 @@ def _declare(c) -> None:
     c.cp_ss_decode.restype = None
     c.cp_momentum.argtypes = [P, P, P, I64, F, F, P, I]
     c.cp_momentum.restype = None
-    c.cp_ef_update.argtypes = [P, P, P, P, I64, I]
+    c.cp_ef_update.argtypes = [P, P, P, P, P, I64, I]
     c.cp_ef_update.restype = None
-    c.cp_ef_update_held.argtypes = [P, P, P, P, P, I64, I]
-    c.cp_ef_update_held.restype = None
     c.cp_randomk_indices.argtypes = [I64, I64, I, ctypes.c_uint64, ctypes.c_uint64, P, I]
     c.cp_randomk_indices.restype = None
     c.cp_outer_residual.argtypes = [P, P, I64, I64, I, P, P, I]

@@ -6,8 +6,8 @@ into the hook, each rank keeps a velocity ``u <- m u + g`` and compresses ``u + 
 of ``g + r``; the optimizer then runs with momentum 0. Momentum factor masking zeroes ``u``
 where the compressor sent a value (sparsifiers; :meth:`ErrorFeedback.mask_velocity_`, DGC's
 rule), so a coordinate's stale momentum does not keep pushing after its accumulated mass went
-out; :meth:`ErrorFeedback.mask_held_` zeroes it only where the aggregate held back what was
-sent (the hook's default). Both are per rank and per bucket, in the units
+out; given the aggregate, the same method zeroes it only where the aggregate held back what was
+sent (the hook's default, "held"). Both are per rank and per bucket, in the units
 the hook compresses (already divided by the world size); everything here runs before the
 collective or on this rank's own decoded payload, so it is private arithmetic
 (comms/ARCHITECTURE.md §5).
@@ -174,54 +174,45 @@ class ErrorFeedback:
         self.last_amax = amax.value
         return x
 
-    def update_masked_(self, bucket: int, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-        """:meth:`update_` then :meth:`mask_velocity_` with ``decoded`` as ``sent``, in one
-        compiled pass over fp32 CPU buckets (same bits); returns the residual."""
+    def update_masked_(self, bucket: int, x: torch.Tensor, sent: torch.Tensor,
+                       aggregate: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`update_` (``sent`` as ``decoded``) then :meth:`mask_velocity_` with the same
+        ``aggregate``, in one compiled pass over fp32 CPU buckets (same bits); returns the
+        residual."""
         u = self.velocities.get(bucket)
-        if u is not None and u.numel() != x.numel():
+        if u is not None and (u.numel() != x.numel()
+                              or (aggregate is not None and aggregate.numel() != x.numel())):
             u = None  # mask_velocity_ skips a velocity of another layout too
         r = self.residual(bucket, x)
-        ts = (x, decoded) + (() if r is None else (r,)) + (() if u is None else (u,))
+        ts = (x, sent) + tuple(t for t in (aggregate, r, u) if t is not None)
         c = _kernel_lib(*ts)
         if c is None or r is None:  # the torch steps (and the first step's allocation)
-            r = self.update_(bucket, x, decoded)
-            if u is not None:
-                self.mask_velocity_(bucket, decoded)
-            return r
-        c.cp_ef_update(x.data_ptr(), decoded.data_ptr(), r.data_ptr(),
-                       None if u is None else u.data_ptr(), x.numel(), cpu_kernels.threads())
-        return r
-
-    def update_held_(self, bucket: int, x: torch.Tensor, sent: torch.Tensor,
-                     aggregate: torch.Tensor) -> torch.Tensor:
-        """:meth:`update_` (``sent`` as ``decoded``) then :meth:`mask_held_`, in one compiled
-        pass over fp32 CPU buckets (same bits); returns the residual."""
-        u = self.velocities.get(bucket)
-        if u is not None and u.numel() != x.numel():
-            u = None
-        r = self.residual(bucket, x)
-        c = None if r is None or u is None else _kernel_lib(x, sent, aggregate, r, u)
-        if c is None:  # the torch steps (and the first step's allocation)
-            self.mask_held_(bucket, sent, aggregate)
+            self.mask_velocity_(bucket, sent, aggregate)
             return self.update_(bucket, x, sent)
-        c.cp_ef_update_held(x.data_ptr(), sent.data_ptr(), aggregate.data_ptr(), r.data_ptr(),
-                            u.data_ptr(), x.numel(), cpu_kernels.threads())
+        c.cp_ef_update(x.data_ptr(), sent.data_ptr(),
+                       None if aggregate is None or u is None else aggregate.data_ptr(),
+                       r.data_ptr(), None if u is None else u.data_ptr(), x.numel(),
+                       cpu_kernels.threads())
         return r
 
-    def mask_velocity_(self, bucket: int, sent: torch.Tensor) -> None:
-        """Momentum factor masking: ``u[sent != 0] = 0`` (``sent``: this rank's own decoded
-        payload; nonzero where the sparsifier sent a value)."""
-        u = self.velocities.get(bucket)
-        if u is not None and u.numel() == sent.numel():
-            u.masked_fill_(sent != 0, 0)
+    def mask_velocity_(self, bucket: int, sent: torch.Tensor,
+                       aggregate: torch.Tensor | None = None) -> None:
+        """Momentum factor masking (``sent``: this rank's own decoded payload, nonzero where the
+        sparsifier sent a value):
 
-    def mask_held_(self, bucket: int, sent: torch.Tensor, aggregate: torch.Tensor) -> None:
-        """Momentum factor masking where the aggregate held back what this rank sent:
-        ``u[(sent != 0) & (aggregate == 0)] = 0`` (``sent``: this rank's own decoded payload;
-        ``aggregate``: the decoded sum every rank received). A coordinate whose sum cancels to
-        exactly 0 counts as held back too (rare; masking it only drops its momentum)."""
+        - ``aggregate`` None, DGC's rule ("sent"): ``u[sent != 0] = 0``;
+        - ``aggregate`` given ("held", the hook's default where the algorithm can hold back):
+          ``u[(sent != 0) & (aggregate == 0)] = 0``, only where the decoded sum every rank
+          received came back without what this rank sent. A coordinate whose sum cancels to
+          exactly 0 counts as held back too (rare; masking it only drops its momentum).
+
+        A velocity of another layout is left alone."""
         u = self.velocities.get(bucket)
-        if u is not None and u.numel() == sent.numel() == aggregate.numel():
+        if u is None or u.numel() != sent.numel():
+            return
+        if aggregate is None:
+            u.masked_fill_(sent != 0, 0)
+        elif aggregate.numel() == sent.numel():
             u.masked_fill_(torch.ne(sent, 0).logical_and_(torch.eq(aggregate, 0)), 0)
 
     def reset(self, bucket: int | None = None) -> None:

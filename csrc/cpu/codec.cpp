@@ -625,7 +625,7 @@ void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
-API int cp_abi_version() { return 4; }
+API int cp_abi_version() { return 5; }
 
 API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
                         u8* packed, int nth) {
@@ -718,37 +718,31 @@ API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float
   if (amax) { u32 a = 0; for (u32 p : part) a = p > a ? p : a; *amax = a; }
 }
 
-// The error-feedback update after a sparsifier's round, with DGC's momentum factor masking, in
-// one pass (fp32): r <- x - own; u <- 0 where own != 0 (u may be null: no masking). The torch
-// twin is torch.sub(x, own, out=r) then u.masked_fill_(own != 0, 0): the same bits (NaN != 0).
-API void cp_ef_update(const float* x, const float* own, float* r, float* u, i64 n, int nth) {
+// The error-feedback update after a sparsifier's round, with momentum factor masking, in one
+// pass (fp32): r <- x - own, and u <- 0 where the masking rule holds (u null: no masking):
+//   agg null (DGC, "sent"):  where own != 0 (this rank sent a value);
+//   agg given ("held"):      where own != 0 and agg == 0 (the aggregate came back without it).
+// The torch twin is torch.sub(x, own, out=r) then u.masked_fill_(rule, 0): the same bits
+// (NaN != 0, -0 == 0).
+API void cp_ef_update(const float* x, const float* own, const float* agg, float* r, float* u,
+                      i64 n, int nth) {
   const i64 U = 1 << 16;
   parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
-    const i64 e1 = std::min(n, u1 * U);
-    if (u) {
-      for (i64 i = u0 * U; i < e1; ++i) {
+    const i64 e0 = u0 * U, e1 = std::min(n, u1 * U);
+    if (!u) {
+      for (i64 i = e0; i < e1; ++i) r[i] = x[i] - own[i];
+    } else if (!agg) {
+      for (i64 i = e0; i < e1; ++i) {
         const float o = own[i];
         r[i] = x[i] - o;
         if (o != 0.0f) u[i] = 0.0f;
       }
     } else {
-      for (i64 i = u0 * U; i < e1; ++i) r[i] = x[i] - own[i];
-    }
-  });
-}
-
-// The same with the hook's default masking ("held"): u <- 0 only where this rank sent a value
-// (own != 0) and the aggregate came back without it (agg == 0). Torch twin: torch.sub(x, own,
-// out=r) then u.masked_fill_((own != 0) & (agg == 0), 0): the same bits.
-API void cp_ef_update_held(const float* x, const float* own, const float* agg, float* r, float* u,
-                           i64 n, int nth) {
-  const i64 U = 1 << 16;
-  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
-    const i64 e1 = std::min(n, u1 * U);
-    for (i64 i = u0 * U; i < e1; ++i) {
-      const float o = own[i];
-      r[i] = x[i] - o;
-      if (o != 0.0f && agg[i] == 0.0f) u[i] = 0.0f;
+      for (i64 i = e0; i < e1; ++i) {
+        const float o = own[i];
+        r[i] = x[i] - o;
+        if (o != 0.0f && agg[i] == 0.0f) u[i] = 0.0f;
+      }
     }
   });
 }

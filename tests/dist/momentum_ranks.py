@@ -78,46 +78,40 @@ def train_final(rank: int, world: int, spec: str | None, algorithm: str | None, 
 
 def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict:
     """Train ``steps`` steps the default way (``register(..., optimizer=opt)``, top-k 5% on
-    ``algorithm``) and record every velocity masking the hook does: for ``mask_held_`` and
-    ``update_held_`` (compiled or torch) ``(u before, sent, aggregate, u after)``; the DGC-rule
-    methods only count their calls."""
+    ``algorithm``) and record every velocity masking the hook does (``update_masked_`` and
+    ``mask_velocity_``, compiled or torch): with an aggregate (the "held" rule) ``(u before,
+    sent, aggregate, u after)`` under "held"; without one (DGC's rule) only a count under
+    "sent"."""
     from compressors import ErrorFeedback
 
     calls: dict = {"held": [], "sent": 0, "depth": 0}
-    held, update_held = ErrorFeedback.mask_held_, ErrorFeedback.update_held_
     update_masked, mask_velocity = ErrorFeedback.update_masked_, ErrorFeedback.mask_velocity_
 
     def recorded(call, self, bucket, sent, aggregate):
         u = self.velocities.get(bucket)
         before = None if u is None else u.clone()
-        calls["depth"] += 1  # update_held_'s torch steps call mask_held_: record once
+        calls["depth"] += 1  # update_masked_'s torch steps call mask_velocity_: record once
         try:
             out = call()
         finally:
             calls["depth"] -= 1
         if calls["depth"] == 0:
-            calls["held"].append((before, sent.clone(), aggregate.clone(),
-                                  None if u is None else u.clone()))
+            if aggregate is None:
+                calls["sent"] += 1
+            else:
+                calls["held"].append((before, sent.clone(), aggregate.clone(),
+                                      None if u is None else u.clone()))
         return out
 
-    def spy_held(self, bucket, sent, aggregate):
-        return recorded(lambda: held(self, bucket, sent, aggregate), self, bucket, sent, aggregate)
+    def spy_update_masked(self, bucket, x, sent, aggregate=None):
+        return recorded(lambda: update_masked(self, bucket, x, sent, aggregate), self, bucket,
+                        sent, aggregate)
 
-    def spy_update_held(self, bucket, x, sent, aggregate):
-        return recorded(lambda: update_held(self, bucket, x, sent, aggregate), self, bucket, sent,
+    def spy_mask_velocity(self, bucket, sent, aggregate=None):
+        return recorded(lambda: mask_velocity(self, bucket, sent, aggregate), self, bucket, sent,
                         aggregate)
 
-    def spy_update_masked(self, *a):
-        calls["sent"] += 1
-        return update_masked(self, *a)
-
-    def spy_mask_velocity(self, *a):
-        calls["sent"] += 1
-        return mask_velocity(self, *a)
-
-    ErrorFeedback.mask_held_ = spy_held  # this rank's process only
-    ErrorFeedback.update_held_ = spy_update_held
-    ErrorFeedback.update_masked_ = spy_update_masked
+    ErrorFeedback.update_masked_ = spy_update_masked  # this rank's process only
     ErrorFeedback.mask_velocity_ = spy_mask_velocity
     x_all, y_all = dataset()
     torch.manual_seed(0)

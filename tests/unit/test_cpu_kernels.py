@@ -359,9 +359,9 @@ def test_ef_update_with_masking_equals_torch_steps(threads, with_velocity, fallb
 @pytest.mark.parametrize("threads", [1, 2])
 def test_ef_update_held_equals_torch_steps(threads, fallback, monkeypatch):
     """``r <- x - own`` and the default masking (``u[(own != 0) & (agg == 0)] = 0``) in one
-    compiled pass: the bits of ``update_`` then ``mask_held_`` (the torch steps), incl. -0 in
-    ``own`` and ``agg``, NaN and inf, over three steps; the first step (no residual yet) takes
-    the torch steps."""
+    compiled pass: the bits of ``update_`` then ``mask_velocity_`` given ``agg`` (the torch
+    steps), incl. -0 in ``own`` and ``agg``, NaN and inf, over three steps; the first step (no
+    residual yet) takes the torch steps."""
     from compressors.error_feedback import ErrorFeedback
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -377,10 +377,10 @@ def test_ef_update_held_equals_torch_steps(threads, fallback, monkeypatch):
         agg[::77] = -0.0
         if step == 2:
             own[9], own[10], agg[12], x[11] = float("nan"), float("inf"), float("nan"), float("-inf")
-        r_fast = fast.update_held_(0, x, own, agg)
+        r_fast = fast.update_masked_(0, x, own, agg)
         with fallback():
             r_ref = ref.update_(0, x, own)
-            ref.mask_held_(0, own, agg)
+            ref.mask_velocity_(0, own, agg)
         assert r_fast is fast.residuals[0]
         assert torch.equal(r_fast.view(torch.int32), r_ref.view(torch.int32)), step
         assert torch.equal(fast.velocities[0].view(torch.int32), ref.velocities[0].view(torch.int32)), step

@@ -47,14 +47,14 @@ def test_momentum_correction_and_masking_arithmetic():
     assert 0 not in mem.velocities
 
 
-def test_mask_held_zeroes_only_what_the_aggregate_left_out():
+def test_mask_velocity_with_aggregate_zeroes_only_what_it_left_out():
     mem = ErrorFeedback()
     mem.velocities[0] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     sent = torch.tensor([0.0, 7.0, 7.0, -0.0, 7.0])  # -0.0 is not a sent value
     aggregate = torch.tensor([0.0, 9.0, 0.0, 0.0, -0.0])  # coordinates 2 and 4 held back
-    mem.mask_held_(0, sent, aggregate)
+    mem.mask_velocity_(0, sent, aggregate)
     assert torch.equal(mem.velocities[0], torch.tensor([1.0, 2.0, 0.0, 4.0, 0.0]))
-    mem.mask_held_(0, sent[:4], aggregate[:4])  # another layout: left alone
+    mem.mask_velocity_(0, sent[:4], aggregate[:4])  # another layout: left alone
     assert torch.equal(mem.velocities[0], torch.tensor([1.0, 2.0, 0.0, 4.0, 0.0]))
 
 
