@@ -48,7 +48,7 @@ from compressors import Compressor
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
 from .autotune import MODEL, Autotuner, check_step_seconds
 from .communicator import Communicator, allreduce_max
-from .cost_model import CostModel
+from .cost_model import CostModel, TierCost
 from .errors import where
 from .probe import PROBE_SIZES
 from .plan_table import Plan, PlanRow
@@ -106,7 +106,7 @@ class Planner:
             raise TypeError(f"autotune must be True or False, got {autotune!r}")
         tuner = Autotuner(autotune_steps, autotune_trials, prefer_dense)  # validates the options
         self.tuner = tuner if autotune and probe else None
-        tuner.preference = self._preference  # near-ties between plans go to the simpler one
+        tuner.preference = self._preference  # near-ties go to fewer link bytes, then fewer hops
         self.compressor = compressor
         self.topology = topology
         self.node = node
@@ -312,12 +312,33 @@ class Planner:
         return row
 
     def _preference(self, rule: str) -> tuple:
-        """Sort key of a rule among tied winners: its algorithm per bucket, largest bucket first,
-        in registry order (allreduce, allgather, two_phase, shared_scale, then hierarchical) —
-        the same on every rank, and the same from one tuning to the next."""
+        """Sort key of a rule among tied winners, per bucket (largest first): the bytes its
+        collectives put on the slowest tier's links, then their ring hops (the latency terms),
+        then the registry order (allreduce, allgather, two_phase, shared_scale, hierarchical).
+        Fewer bytes and hops is the plan that keeps winning when the link or the world size
+        changes; at 2 ranks an allgather moves what a ring allreduce moves in half the hops.
+        Only world sizes, shapes and the compressor enter: the same key on every rank, and from
+        one tuning to the next."""
         order = {name: i for i, name in enumerate(ALGORITHMS)}
         rows = sorted(self._rows.values(), key=lambda r: (-r.numel, r.bucket))
-        return tuple(order.get(self._apply(rule, r), -1) for r in rows)
+        return tuple(self._link_cost(self._apply(rule, r), r) + (order.get(self._apply(rule, r), -1),)
+                     for r in rows)
+
+    def _link_cost(self, algorithm: str, row: PlanRow) -> tuple:
+        """``(link bytes on the slowest tier, ring hops)`` of one bucket's collectives."""
+        model = self.model
+        if model is None:
+            return ()
+        ops = model.wire_ops(algorithm, None if algorithm == DENSE else self.compressor,
+                             row.numel, row.dtype)
+        slow = "inter" if any(t == "inter" for t, *_ in ops) else "flat"
+        nbytes = hops = 0.0
+        for tier, op, _, b in ops:
+            n = model.tiers[tier].world if tier in model.tiers else 1
+            if tier == slow:
+                nbytes += TierCost.factor(op, n) * b
+            hops += 2 * (n - 1) if op == "allreduce" else n - 1
+        return (nbytes, hops)
 
     def _locked_rule(self) -> str:
         t = self.tuner

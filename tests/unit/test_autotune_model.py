@@ -91,3 +91,30 @@ def test_proposals_ranked_distinct_and_rules_applied():
     slow = _planner(beta16=0.01e9, algorithms=["allreduce"])
     assert slow._row(keys[0]).chosen == "dense" and slow._propose(keys) == ["allreduce"]
     assert all(math.isfinite(t) for t in slow._row(keys[0]).predicted.values())
+
+
+@pytest.mark.parametrize("world, preferred", [(2, "allgather"), (4, "allreduce")])
+def test_ties_go_to_fewer_link_bytes_then_fewer_hops(world, preferred):
+    """random-k on a ring: at 2 ranks an allgather moves the bytes an allreduce moves in half
+    the hops, so a tie goes to allgather; at 4 ranks allreduce moves half of allgather's bytes.
+    Top-k: at 2 ranks two_phase's headers and second hop lose a tie to allgather; at 4 its
+    link bytes are half of allgather's."""
+    comp = compressors.from_spec("randomk:density=0.01")
+    tiers = {"flat": TierCost("flat", world, 1e-3, 0.1e9)}
+    p = Planner(comp, cost_model=CostModel(tiers, {comp.spec(): ComputeCost()}))
+    p.ready = True
+    keys = [(0, 1 << 22, torch.float32), (1, 1 << 16, torch.float32)]
+    for k in keys:
+        p._row(k)
+    rules = ["allreduce", "allgather"]
+    assert min(rules, key=p._preference) == preferred
+    ar, ag = (p._link_cost(r, p._row(keys[0])) for r in rules)
+    assert ar[1] == 2 * ag[1] == 2 * (world - 1)
+    assert (ar[0] == ag[0]) if world == 2 else (ar[0] * 2 == pytest.approx(ag[0], rel=1e-3))
+    top = Planner(compressors.from_spec("topk:density=0.01"),
+                  cost_model=CostModel(tiers, {"x": ComputeCost()}))
+    top.ready = True
+    top._row(keys[0])
+    assert min(["two_phase", "allgather"], key=top._preference) == \
+        ("allgather" if world == 2 else "two_phase")
+    assert len(p._preference("dense")) == 2  # one entry per bucket, dense included
