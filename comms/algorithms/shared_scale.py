@@ -281,7 +281,9 @@ class SharedScale(Algorithm):
 
     def wire_ops(self, model, compressor, numel, dtype, tier="flat"):
         _, wdt = shared_scale_levels(compressor.bits, model.tiers[tier].world)
-        return [(tier, "allreduce", str(wdt), numel * wdt.itemsize)]
+        nch = -(-numel // compressor.chunk)  # the per-chunk scales go first (fp32 allgather)
+        return [(tier, "allgather", str(torch.float32), 4 * nch),
+                (tier, "allreduce", str(wdt), numel * wdt.itemsize)]
 
     def cost(self, model, compressor, numel, dtype, tier="flat"):
         # a tiny allgather of per-chunk scales, then one integer (int8/int32) allreduce

@@ -117,4 +117,14 @@ def test_ties_go_to_fewer_link_bytes_then_fewer_hops(world, preferred):
     top._row(keys[0])
     assert min(["two_phase", "allgather"], key=top._preference) == \
         ("allgather" if world == 2 else "two_phase")
+    # qsgd8: shared_scale's scales allgather counts; at 2 ranks its bytes equal allgather's
+    # (scales plus one byte per element either way), in three hops to one
+    q8 = compressors.from_spec("qsgd:bits=8")
+    qp = Planner(q8, cost_model=CostModel(tiers, {q8.spec(): ComputeCost()}))
+    qp.ready = True
+    qp._row(keys[0])
+    if world == 2:
+        ss, ag = (qp._link_cost(a, qp._row(keys[0])) for a in ("shared_scale", "allgather"))
+        assert ss == (ag[0], 3.0) and ag[1] == 1.0
+        assert min(["shared_scale", "allgather"], key=qp._preference) == "allgather"
     assert len(p._preference("dense")) == 2  # one entry per bucket, dense included
