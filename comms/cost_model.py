@@ -93,6 +93,11 @@ class TierCost:
             return float(world - 1)
         return (world - 1) / world  # all_to_all / reduce-scatter
 
+    @staticmethod
+    def hops(op: str, world: int) -> int:
+        """Ring steps of ``op`` on ``world`` ranks (each pays the link latency once)."""
+        return 2 * (world - 1) if op == "allreduce" else world - 1
+
     def with_betas(self, betas: dict) -> "TierCost":
         return TierCost(self.name, self.world, self.alpha, self.beta, {**self.betas, **betas})
 

@@ -321,8 +321,8 @@ class Planner:
         one tuning to the next."""
         order = {name: i for i, name in enumerate(ALGORITHMS)}
         rows = sorted(self._rows.values(), key=lambda r: (-r.numel, r.bucket))
-        return tuple(self._link_cost(self._apply(rule, r), r) + (order.get(self._apply(rule, r), -1),)
-                     for r in rows)
+        return tuple(self._link_cost(a, r) + (order.get(a, -1),)
+                     for r in rows for a in (self._apply(rule, r),))
 
     def _link_cost(self, algorithm: str, row: PlanRow) -> tuple:
         """``(link bytes on the slowest tier, ring hops)`` of one bucket's collectives."""
@@ -337,7 +337,7 @@ class Planner:
             n = model.tiers[tier].world if tier in model.tiers else 1
             if tier == slow:
                 nbytes += TierCost.factor(op, n) * b
-            hops += 2 * (n - 1) if op == "allreduce" else n - 1
+            hops += TierCost.hops(op, n)
         return (nbytes, hops)
 
     def _locked_rule(self) -> str:
