@@ -335,6 +335,18 @@ class Compressor:
         """
         return out.copy_(self.decompress(payload, ctx))
 
+    def deferred_own(self, x: torch.Tensor, ctx: Context) -> "Deferred | None":
+        """This rank's decoded contribution of ``compress(x, ctx)`` as a :class:`Deferred` that
+        an algorithm hands back instead of decoding it now, or None (the default): decode now.
+        A compressor that recomputes it from ``x`` relies on ``x`` being unchanged until the
+        Deferred is used (the hook writes ``x`` only after the residual is read)."""
+        return None
+
+    def deferred_sum(self, summed: Sequence[torch.Tensor], ctx: Context) -> "Deferred | None":
+        """The decode of an allreduce-summed payload as a :class:`Deferred` (written where the
+        hook says), or None (the default): decode now."""
+        return None
+
     def workspace(self) -> Workspace:
         """This compressor's reusable scratch buffers (created on first use)."""
         ws = self.__dict__.get("_ws")

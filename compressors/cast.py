@@ -7,9 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from .base import Compressor, check_input, fresh_empty
+from . import cpu_kernels
+from .base import Compressor, Deferred, check_input, fresh_empty
 
-__all__ = ["Cast"]
+__all__ = ["Cast", "CastOwn", "CastSum"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,18 @@ class Cast(Compressor):
             return out.copy_(p.reshape(out.shape))
         return super().decompress_into(payload, ctx, out)
 
+    def deferred_own(self, x, ctx):
+        """A :class:`CastOwn` for an fp32 bucket (recomputed from ``x``), else None."""
+        if x.dtype != torch.float32 or ctx.dtype != torch.float32 or self.wire_dtype not in _WIRE_CODE:
+            return None
+        return CastOwn(x.reshape(-1), self.wire_dtype)
+
+    def deferred_sum(self, summed, ctx):
+        """A :class:`CastSum` of the summed payload for an fp32 bucket, else None."""
+        if ctx.dtype != torch.float32 or len(summed) != 1 or summed[0].dtype not in _WIRE_CODE:
+            return None
+        return CastSum(summed[0].reshape(-1))
+
     def wire_bytes(self, numel, dtype=None):
         return numel * self.wire_dtype.itemsize
 
@@ -47,3 +60,73 @@ class Cast(Compressor):
         # half an ulp of the wire dtype, relative; plus the smallest subnormal for tiny values
         info = torch.finfo(self.wire_dtype)
         return x.abs() * (info.eps / 2) + info.smallest_normal * info.eps
+
+
+_WIRE_CODE = {torch.float16: 1, torch.bfloat16: 2}  # cp_cast_finish's wire dtype codes
+
+
+def _finish_kernel(*tensors):
+    """The compiled library when every tensor is a contiguous CPU tensor, else None."""
+    if not all(t.is_contiguous() for t in tensors):
+        return None
+    return cpu_kernels.lib(*tensors)
+
+
+def _fp32_flat(t: torch.Tensor, n: int) -> bool:
+    return t.dtype == torch.float32 and t.numel() == n and t.is_contiguous()
+
+
+class CastOwn(Deferred):
+    """This rank's decoded contribution ``widen(narrow(x))`` of an fp32 bucket, computed from
+    ``x`` when it is needed: the allreduce sums the payload in place, and rounding ``x`` again
+    costs less than keeping a copy of the payload. Valid while ``x`` is unchanged (the hook
+    writes ``x`` only after the residual is read). Every method gives the bits of decoding the
+    payload (``cp_cast_finish``; tests/unit/test_cast_deferred.py)."""
+
+    __slots__ = ("x", "wire")
+
+    def __init__(self, x: torch.Tensor, wire: torch.dtype):
+        self.x, self.wire = x, wire
+
+    def materialize(self) -> torch.Tensor:
+        return self.x.to(self.wire).to(self.x.dtype)
+
+    def residual_(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        n = self.x.numel()
+        same = x.data_ptr() == self.x.data_ptr() and _fp32_flat(x, n) and _fp32_flat(r, n)
+        ck = _finish_kernel(x, r) if same else None
+        if ck is None:
+            return super().residual_(x, r)
+        ck.cp_cast_finish(x.data_ptr(), r.data_ptr(), None, _WIRE_CODE[self.wire], n, cpu_kernels.threads())
+        return r
+
+
+class CastSum(Deferred):
+    """The allreduce-summed payload of a cast compressor (fp16/bf16), widened to fp32 only
+    where the hook writes it: straight into the bucket (:meth:`into_`), or together with this
+    rank's residual in one pass (:meth:`into_with_residual_`, ``cp_cast_finish``: ``x`` read
+    and written once)."""
+
+    __slots__ = ("summed",)
+
+    def __init__(self, summed: torch.Tensor):
+        self.summed = summed
+
+    def materialize(self) -> torch.Tensor:
+        return self.summed.to(torch.float32)
+
+    def into_(self, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.summed.view(out.shape))  # widening is exact: one pass, no temporary
+
+    def into_with_residual_(self, own: Deferred, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``own.residual_(x, r)`` then :meth:`into_` in one compiled pass when ``own`` is the
+        :class:`CastOwn` of this ``x``; the same bits either way."""
+        n = self.summed.numel()
+        ok = (isinstance(own, CastOwn) and own.wire == self.summed.dtype and x.data_ptr() == own.x.data_ptr()
+              and _fp32_flat(x, n) and _fp32_flat(r, n) and own.x.numel() == n)
+        ck = _finish_kernel(x, r, self.summed) if ok else None
+        if ck is None:
+            return super().into_with_residual_(own, x, r)
+        ck.cp_cast_finish(x.data_ptr(), r.data_ptr(), self.summed.data_ptr(), _WIRE_CODE[own.wire], n,
+                          cpu_kernels.threads())
+        return x

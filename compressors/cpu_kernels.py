@@ -97,7 +97,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     cdll = ctypes.CDLL(str(so))
     _declare(cdll)
-    if cdll.cp_abi_version() != 5:
+    if cdll.cp_abi_version() != 6:
         raise RuntimeError("stale codec library")
     return cdll
 
@@ -132,6 +132,8 @@ def _declare(c) -> None:
     c.cp_outer_residual_into.restype = None
     c.cp_div_add.argtypes = [P, P, I64, F, P, I]
     c.cp_div_add.restype = None
+    c.cp_cast_finish.argtypes = [P, P, P, I, I64, I]
+    c.cp_cast_finish.restype = None
 
 
 def enabled() -> bool:

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from compressors import Context
+from compressors.base import Deferred
 
 from . import buffers
 from .base import Algorithm, round_wait
@@ -85,21 +86,27 @@ class Allreduce(Algorithm):
 
     name = "allreduce"
     family = "allreduce"
-    deferred_results = True  # PowerSGD's decodes can come back unwritten (see __call__)
+    deferred_results = True  # PowerSGD's and the casts' decodes can come back unwritten (see __call__)
 
     def __call__(self, comm, compressor, x, ctx, store, deferred=False):
-        """``deferred`` (the hook): a two-round compressor's ``(sum, own)`` may come back as
-        :class:`compressors.base.Deferred` results; single-round compressors ignore it."""
+        """``deferred`` (the hook): ``(sum, own)`` may come back as
+        :class:`compressors.base.Deferred` results — a two-round compressor's decodes, and a
+        single-round compressor's where it offers them (:meth:`~compressors.base.Compressor.deferred_own`,
+        ``deferred_sum``: the casts, whose residual and aggregate the hook then writes in one
+        pass over the bucket). ``x`` must then stay unchanged until they are used."""
         if compressor.allreduce_rounds == 2:
             return _power_iteration(comm, compressor, x, ctx, store, deferred)
         payload = compressor.compress(x, ctx)
-        own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
+        own = compressor.deferred_own(x, ctx) if deferred else None
+        if own is None:
+            own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
         dtypes = {t.dtype for t in payload}
         if len(dtypes) != 1:
             raise TypeError(f"{compressor.name} payload mixes dtypes {sorted(map(str, dtypes))}; "
                             "the allreduce family needs one summable dtype")
         layout = layout_of(payload)
-        if len(payload) == 1 and not _shares_memory(payload[0], x) and not _shares_memory(payload[0], own):
+        if len(payload) == 1 and not _shares_memory(payload[0], x) and (
+                isinstance(own, Deferred) or not _shares_memory(payload[0], own)):
             wire = payload[0].reshape(-1)
         else:  # the allreduce works in place: never sum into x or own's memory
             wire = torch.cat([t.reshape(-1) for t in payload])
@@ -109,7 +116,10 @@ class Allreduce(Algorithm):
             for n, _ in layout:
                 summed.append(wire[off: off + n])
                 off += n
-            return compressor.decompress_into(summed, ctx, buffers.empty(ctx.numel, ctx.dtype, wire.device)), own
+            total = compressor.deferred_sum(summed, ctx) if deferred else None
+            if total is None:
+                total = compressor.decompress_into(summed, ctx, buffers.empty(ctx.numel, ctx.dtype, wire.device))
+            return total, own
 
         return comm.all_reduce(wire).then(done)
 

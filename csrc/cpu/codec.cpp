@@ -11,7 +11,7 @@
 #include <cstring>
 #include <thread>
 #include <vector>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -44,6 +44,29 @@ inline float f16_to_f32(u16 h) {
   }
   if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13));
   return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+// fp32 -> fp16, round to nearest even; overflow -> inf; NaN -> 0x7E00 with x's sign. The
+// branch-free algorithm of the FP16 library's fp16_ieee_from_fp32_value (c10::Half's scalar
+// conversion): with exact IEEE fp32 arithmetic (no contraction) it rounds like the hardware.
+inline u16 f32_to_f16(float f) {
+  const float scale_to_inf = 0x1.0p+112f, scale_to_zero = 0x1.0p-110f;
+  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
+  u32 w; std::memcpy(&w, &f, 4);
+  const u32 shl1_w = w + w, sign = w & 0x80000000u;
+  u32 bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = bits_f32((bias >> 1) + 0x07800000u) + base;
+  u32 b; std::memcpy(&b, &base, 4);
+  const u32 nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+  return (u16)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// fp32 -> bf16 as c10::BFloat16 rounds: to nearest even, NaN -> 0x7FC0
+inline u16 f32_to_bf16(float f) {
+  u32 w; std::memcpy(&w, &f, 4);
+  const u32 rounded = (w + (((w >> 16) & 1u) + 0x7FFFu)) >> 16;
+  return (w & 0x7fffffffu) > 0x7f800000u ? (u16)0x7FC0u : (u16)rounded;
 }
 
 template <int DT> inline float load(const void* p, i64 i) {
@@ -625,7 +648,7 @@ void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
-API int cp_abi_version() { return 5; }
+API int cp_abi_version() { return 6; }
 
 API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
                         u8* packed, int nth) {
@@ -850,4 +873,41 @@ API void cp_div_add(float* x, const float* r, i64 n, float div, u32* amax, int n
     part[t] = mx;
   });
   if (amax) { u32 a = 0; for (u32 p : part) a = p > a ? p : a; *amax = a; }
+}
+
+// A cast compressor's (fp16 / bf16: wdt 1 / 2) allreduce round, finished in one pass over the
+// fp32 bucket x: r <- x - widen(narrow(x)) (this rank's rounding error, error feedback's
+// residual; skipped where r is null), then x <- widen(sum) (the aggregate, summed in the wire
+// dtype; skipped where sum is null). The torch twin is torch.sub(x, x.to(w).to(f32), out=r)
+// then x.copy_(sum): the same bits (narrowing rounds to nearest even, widening is exact).
+template <int WDT>
+void cast_finish_range(float* x, float* r, const u16* sum, i64 e0, i64 e1) {
+  i64 i = e0;
+#ifdef __F16C__
+  // F16C rounds to nearest even like the software pair below (only NaN payloads may differ)
+  if (WDT == 1) {
+    for (; i + 8 <= e1; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      if (r) {
+        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_ps(r + i, _mm256_sub_ps(v, _mm256_cvtph_ps(h)));
+      }
+      if (sum) _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sum + i))));
+    }
+  }
+#endif
+  for (; i < e1; ++i) {
+    const float v = x[i];
+    if (r) r[i] = v - (WDT == 1 ? f16_to_f32(f32_to_f16(v)) : bits_f32((u32)f32_to_bf16(v) << 16));
+    if (sum) x[i] = WDT == 1 ? f16_to_f32(sum[i]) : bits_f32((u32)sum[i] << 16);
+  }
+}
+
+API void cp_cast_finish(float* x, float* r, const u16* sum, int wdt, i64 n, int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    const i64 e0 = u0 * U, e1 = std::min(n, u1 * U);
+    if (wdt == 1) cast_finish_range<1>(x, r, sum, e0, e1);
+    else cast_finish_range<2>(x, r, sum, e0, e1);
+  });
 }
