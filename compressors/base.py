@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["ScaledCodesDecoder", "ALIGNS", "check_align", "Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
            "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty", "PayloadPool",
-           "Deferred", "materialized"]
+           "Deferred", "SparseOwn", "materialized"]
 
 logger = logging.getLogger(__name__)
 
@@ -335,11 +335,12 @@ class Compressor:
         """
         return out.copy_(self.decompress(payload, ctx))
 
-    def deferred_own(self, x: torch.Tensor, ctx: Context) -> "Deferred | None":
-        """This rank's decoded contribution of ``compress(x, ctx)`` as a :class:`Deferred` that
-        an algorithm hands back instead of decoding it now, or None (the default): decode now.
-        A compressor that recomputes it from ``x`` relies on ``x`` being unchanged until the
-        Deferred is used (the hook writes ``x`` only after the residual is read)."""
+    def deferred_own(self, x: torch.Tensor, payload: Sequence[torch.Tensor],
+                     ctx: Context) -> "Deferred | None":
+        """This rank's decoded contribution (``payload = compress(x, ctx)``) as a
+        :class:`Deferred` that an algorithm hands back instead of decoding it now, or None
+        (the default): decode now. It may read ``x`` when used, so ``x`` must be unchanged
+        until then (the hook writes ``x`` only after the residual is read)."""
         return None
 
     def deferred_sum(self, summed: Sequence[torch.Tensor], ctx: Context) -> "Deferred | None":
@@ -478,6 +479,34 @@ class Deferred:
         rank's part of the same round); a subclass may do both in one pass. Returns ``x``."""
         own.residual_(x, r)
         return self.into_(x)
+
+
+class SparseOwn(Deferred):
+    """A sparsifier's own contribution: ``own[idx] = vals``, zero elsewhere (``vals`` the
+    decoded values, bit for bit what the decode writes). Its residual ``x - own`` is ``x`` off
+    the indices: :meth:`residual_` copies ``x`` and subtracts at ``idx`` only — no decoded
+    bucket-sized temporary and one pass fewer (the same bits, -0, inf and quiet NaN included,
+    since ``v - (+0) = v``)."""
+
+    __slots__ = ("x", "idx", "vals")
+
+    def __init__(self, x: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor):
+        self.x, self.idx, self.vals = x, idx, vals
+
+    def materialize(self) -> torch.Tensor:
+        return torch.zeros(self.x.numel(), dtype=self.x.dtype, device=self.x.device).index_copy_(
+            0, self.idx, self.vals)
+
+    def residual_(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        n = self.x.numel()
+        if (x.data_ptr() != self.x.data_ptr() or x.numel() != n or r.numel() != n or r.dtype != x.dtype
+                or not (x.is_contiguous() and r.is_contiguous())):
+            return super().residual_(x, r)
+        xf, rf = x.view(-1), r.view(-1)
+        rf.copy_(xf)
+        if self.idx.numel():
+            rf.index_copy_(0, self.idx, torch.index_select(xf, 0, self.idx) - self.vals)
+        return r
 
 
 def materialized(t):

@@ -41,7 +41,7 @@ class Cast(Compressor):
             return out.copy_(p.reshape(out.shape))
         return super().decompress_into(payload, ctx, out)
 
-    def deferred_own(self, x, ctx):
+    def deferred_own(self, x, payload, ctx):
         """A :class:`CastOwn` for an fp32 bucket (recomputed from ``x``), else None."""
         if x.dtype != torch.float32 or ctx.dtype != torch.float32 or self.wire_dtype not in _WIRE_CODE:
             return None

@@ -8,7 +8,7 @@ import math
 import torch
 
 from . import cpu_kernels
-from .base import Compressor, check_density, check_input, fresh_empty
+from .base import Compressor, SparseOwn, check_density, check_input, fresh_empty
 from .hashrng import SHARED, lowbias32_int, stream_key
 from .registry import register
 
@@ -138,3 +138,11 @@ class RandomK(Compressor):
 
     def decompress_add_(self, payload, ctx, acc):
         return acc.index_add_(0, self.indices(ctx), payload[0].to(acc.dtype))
+
+    def deferred_own(self, x, payload, ctx):
+        """A :class:`~compressors.base.SparseOwn` (the shared indices are distinct) for a flat
+        CPU bucket of ``ctx.dtype``, else None."""
+        if x.is_cuda or x.dtype != ctx.dtype:
+            return None
+        # a copy: the allreduce sums the payload in place
+        return SparseOwn(x.reshape(-1), self.indices(ctx), payload[0].to(ctx.dtype, copy=True))

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from .base import Compressor, check_density, check_input, fresh_empty, numpy_view
+from .base import Compressor, SparseOwn, check_density, check_input, fresh_empty, numpy_view
 from .hashrng import stream_key, lowbias32_int
 from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
@@ -104,6 +104,15 @@ class TopK(Compressor):
             vals = torch.cat([vals, vals.new_zeros(pad)])
         return [vals, idx.to(torch.int32)]
 
+    def deferred_own(self, x, payload, ctx):
+        """A :class:`~compressors.base.SparseOwn` for the exact top-k of a flat fp32/fp64
+        bucket (distinct indices; the approximate path may pad with repeats), else None."""
+        vals, idx = payload
+        if not self.exact or x.is_cuda or x.dtype not in (torch.float32, torch.float64) or ctx.dtype != x.dtype:
+            return None
+        # the decode adds into zeros: 0 + v (a -0 value decodes to +0)
+        return SparseOwn(x.reshape(-1), idx.long(), torch.zeros_like(vals, dtype=x.dtype).add_(vals))
+
     def _exact(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 indices ascending, values) of the exact top-k (ties: lowest indices)."""
         n = x.numel()
@@ -126,6 +135,11 @@ class TopK(Compressor):
             return idx, vals
         # any device, no host sync: the composite key has no ties, so torch.topk's set is
         # exactly "largest |x| bits, then lowest index"
+        if x.element_size() == 8:  # no room for the index beside a 63-bit key: a stable sort
+            key = x.view(torch.int64).bitwise_and(0x7FFFFFFFFFFFFFFF)
+            sel = torch.sort(key, descending=True, stable=True).indices[:k]
+            idx = torch.sort(sel).values
+            return idx.to(torch.int32), x[idx]
         if x.element_size() == 4:
             key = x.view(torch.int32).bitwise_and(0x7FFFFFFF).to(torch.int64)
         else:

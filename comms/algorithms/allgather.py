@@ -11,13 +11,15 @@ import logging
 
 import torch
 
+from compressors.base import Deferred
+
 from ..deadline import advice
 from ..errors import where
 from . import buffers
 from .base import Algorithm, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
-__all__ = ["Allgather", "allgather"]
+__all__ = ["Allgather", "allgather", "GatheredSum"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +32,48 @@ def _sum_in_rank_order(compressor, ctx, payloads):
     return acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
 
 
-def _allgather(comm, compressor, x, ctx, store):
-    """Allgather the compressed payloads, decode each, sum in rank order."""
+class GatheredSum(Deferred):
+    """Every rank's payload, decoded and summed in rank order only where the hook writes it:
+    :meth:`into_` zeroes the bucket and adds each payload into it — the bits of the sum into
+    zeros and its copy into the bucket, without the bucket-sized temporary and the copy (a
+    bucket of fp16/bf16, summed in fp32, takes the materialized path)."""
+
+    __slots__ = ("compressor", "ctx", "payloads")
+
+    def __init__(self, compressor, ctx, payloads):
+        self.compressor, self.ctx, self.payloads = compressor, ctx, payloads
+
+    def materialize(self) -> torch.Tensor:
+        return _sum_in_rank_order(self.compressor, self.ctx, self.payloads)
+
+    def into_(self, out: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if (ctx.dtype in (torch.float16, torch.bfloat16) or out.dtype != ctx.dtype
+                or not out.is_contiguous() or out.numel() != ctx.numel or out.device != ctx.device):
+            return out.copy_(self.materialize())
+        acc = out.view(-1).zero_()
+        for r, p in enumerate(self.payloads):
+            self.compressor.decompress_add_(p, ctx.with_(rank=r), acc)
+        return out
+
+
+def _gathered(compressor, ctx, payloads, deferred):
+    return GatheredSum(compressor, ctx, payloads) if deferred else _sum_in_rank_order(compressor, ctx, payloads)
+
+
+def _allgather(comm, compressor, x, ctx, store, deferred=False):
+    """Allgather the compressed payloads, decode each, sum in rank order (``deferred``: the
+    sum comes back as a :class:`GatheredSum`, and ``own`` as the compressor's
+    :meth:`~compressors.base.Compressor.deferred_own` where it has one)."""
     payload = compressor.compress(x, ctx)
     layout = layout_of(payload)
     buf = to_bytes(payload)
     world = comm.world_size
 
     def decode_own():  # run while the payload round is on the wire (it only reads the payload)
-        return compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
+        own = compressor.deferred_own(x, payload, ctx) if deferred else None
+        return own if own is not None else compressor.decompress_into(
+            payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
 
     if compressor.fixed_size:
         nbytes = buf.numel()
@@ -47,7 +82,7 @@ def _allgather(comm, compressor, x, ctx, store):
 
         def done(fut):
             g = fut.value().view(world, nbytes)
-            return _sum_in_rank_order(compressor, ctx, [from_bytes(g[r], layout) for r in range(world)]), own
+            return _gathered(compressor, ctx, [from_bytes(g[r], layout) for r in range(world)], deferred), own
 
         return fut.then(done)
 
@@ -76,7 +111,7 @@ def _allgather(comm, compressor, x, ctx, store):
         def done(fut):
             g = fut.value().view(world, width)
             ps = [from_bytes(g[r], layouts[r]) for r in range(world)]
-            return _sum_in_rank_order(compressor, ctx, ps), own
+            return _gathered(compressor, ctx, ps, deferred), own
 
         return fut.then(done)
 
@@ -91,9 +126,12 @@ class Allgather(Algorithm):
 
     name = "allgather"
     family = "allgather"
+    deferred_results = True  # the sum can come back unwritten (a GatheredSum)
 
-    def __call__(self, comm, compressor, x, ctx, store):
-        return _allgather(comm, compressor, x, ctx, store)
+    def __call__(self, comm, compressor, x, ctx, store, deferred=False):
+        """``deferred`` (the hook): the sum comes back as a :class:`GatheredSum`, decoded
+        straight into the bucket."""
+        return _allgather(comm, compressor, x, ctx, store, deferred)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         return (world - 1) * compressor.wire_bytes(numel, dtype)

@@ -97,7 +97,7 @@ class Allreduce(Algorithm):
         if compressor.allreduce_rounds == 2:
             return _power_iteration(comm, compressor, x, ctx, store, deferred)
         payload = compressor.compress(x, ctx)
-        own = compressor.deferred_own(x, ctx) if deferred else None
+        own = compressor.deferred_own(x, payload, ctx) if deferred else None
         if own is None:
             own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
         dtypes = {t.dtype for t in payload}

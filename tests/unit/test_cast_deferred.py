@@ -113,7 +113,7 @@ def test_deferred_only_for_fp32_buckets():
     for dtype in (torch.float16, torch.bfloat16):
         x = torch.randn(1000).to(dtype)
         ctx = Context(numel=1000, dtype=dtype)
-        assert comp.deferred_own(x, ctx) is None
+        assert comp.deferred_own(x, comp.compress(x, ctx), ctx) is None
         comm = OtherRankComm(torch.ones(1000))
         total, own = ALGORITHMS["allreduce"](comm, comp, x.clone(), ctx, {}, deferred=True).wait()
         assert not isinstance(total, Deferred) and not isinstance(own, Deferred)
@@ -125,7 +125,8 @@ def test_residual_of_another_tensor_falls_back():
     values that were compressed (what ``own`` means), never the kernel on the wrong memory."""
     comp = from_spec("fp16")
     x = bucket(1000, seed=5)
-    own = comp.deferred_own(x, Context(numel=1000))
+    ctx = Context(numel=1000)
+    own = comp.deferred_own(x, comp.compress(x, ctx), ctx)
     y = x.clone()
     r = torch.empty(1000)
     own.residual_(y, r)

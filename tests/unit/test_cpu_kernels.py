@@ -166,6 +166,20 @@ def test_exact_topk_contract(dtype, fallback):
             assert torch.equal(got[1], idx) and torch.equal(_bits(got[0]), _bits(vals))
 
 
+def test_exact_topk_fp64():
+    """fp64 buckets (no kernel; a 63-bit magnitude key leaves no room for the index): the same
+    contract — ties at the k-th magnitude toward the lowest indices, NaN above inf."""
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(20_011, generator=g, dtype=torch.float64),
+              torch.randint(-3, 4, (10_000,), generator=g).double(),
+              torch.randn(5_000, generator=g, dtype=torch.float64).index_fill_(0, torch.tensor([3, 9]), float("nan"))
+              .index_fill_(0, torch.tensor([4]), -float("inf"))):
+        for density in (0.01, 0.2):
+            vals, idx = TopK(density).compress(x, Context.of(x))
+            want = topk_exact_compress(x, density)
+            assert torch.equal(idx, want[1]) and torch.equal(vals.view(torch.int64), want[0].view(torch.int64))
+
+
 def test_exact_topk_takes_both_kernel_paths():
     if cpu_kernels.lib() is None:
         pytest.skip("no compiled kernels here")

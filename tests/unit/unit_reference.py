@@ -204,7 +204,9 @@ def topk_exact_compress(x: torch.Tensor, density: float):
     k = max(1, min(n, math.ceil(density * n))) if n else 0
     if k == 0:
         return [x.new_empty(0), torch.empty(0, dtype=torch.int32)]
-    if x.element_size() == 4:
+    if x.element_size() == 8:
+        key = x.view(torch.int64).numpy() & 0x7FFFFFFFFFFFFFFF
+    elif x.element_size() == 4:
         key = x.view(torch.int32).numpy().astype(np.int64) & 0x7FFFFFFF
     else:
         key = x.view(torch.int16).numpy().astype(np.int64) & 0x7FFF

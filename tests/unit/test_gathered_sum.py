@@ -1,0 +1,126 @@
+"""``allgather(..., deferred=True)``: the sum comes back as a :class:`GatheredSum` that the
+hook decodes straight into the bucket — the bits of the sum into zeros and its copy, for every
+compressor of the gather family, with -0, inf and NaN in the input."""
+
+import pytest
+import torch
+
+from comms.algorithms import ALGORITHMS
+from comms.algorithms.allgather import GatheredSum
+from compressors import Context, from_spec
+from compressors.base import materialized
+
+SPECS = ["topk:density=0.01", "topk:density=0.05,exact=false", "randomk:density=0.02", "sign",
+         "qsgd:bits=4", "qsgd:bits=8", "fp16"]
+
+
+class TwoRankGather:
+    """A two-rank allgather as rank 0 sees it: its own bytes, then another rank's."""
+
+    rank, world_size, backend = 0, 2, "local"
+
+    def __init__(self, other_bytes):
+        self.other_bytes = other_bytes
+
+    def all_gather(self, t):
+        other = self.other_bytes(t)
+        f = torch.futures.Future()
+        f.set_result(torch.cat([t, other]))
+        return f
+
+
+def payload_bytes(comp, y, ctx):
+    from comms.algorithms.wire import to_bytes
+    return to_bytes(comp.compress(y, ctx))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gathered_sum_into_bucket_equals_the_copy(spec, dtype):
+    comp = from_spec(spec)
+    if not comp.fixed_size:
+        pytest.skip("variable-size payloads exchange their sizes first (another round)")
+    n = 50_021
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    x[::101] = -0.0
+    y = (torch.randn(n, generator=g) * 2).to(dtype)
+    ctx = Context(numel=n, dtype=dtype, step=3, bucket=1, seed=2)
+    comm = TwoRankGather(lambda t: payload_bytes(comp, y, ctx.with_(rank=1)))
+    total, own = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}).wait()
+    dtotal, down = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}, deferred=True).wait()
+    assert isinstance(dtotal, GatheredSum) and not isinstance(total, GatheredSum)
+    assert torch.equal(materialized(down), own)
+    out = torch.full((n,), 7.0, dtype=dtype)
+    assert dtotal.into_(out) is out
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), total.view(bits))
+    assert torch.equal(dtotal.materialize().view(bits), total.view(bits))
+    assert not torch.equal(total, own)  # the other rank's payload is in it
+
+
+def test_gathered_sum_non_finite():
+    comp = from_spec("sign")
+    n = 4096
+    x = torch.randn(n)
+    x[5], x[700], x[2000] = float("inf"), float("nan"), -0.0
+    ctx = Context(numel=n, step=1)
+    comm = TwoRankGather(lambda t: t.clone())
+    total, _ = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}).wait()
+    dtotal, _ = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}, deferred=True).wait()
+    out = torch.empty(n)
+    dtotal.into_(out)
+    nan = torch.isnan(total)
+    assert nan.any() and torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int32), total[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("spec,alg", [("topk:density=0.01", "allgather"), ("randomk:density=0.02", "allgather"),
+                                      ("randomk:density=0.02", "allreduce")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_own_residual_equals_x_minus_decode(spec, alg, dtype):
+    """A sparsifier's ``own`` comes back as a :class:`SparseOwn`: its residual (``x`` copied,
+    then ``x - v`` at the indices) has the bits of ``x - decode(own)``: -0 sent and not sent,
+    inf and NaN; on the allreduce its values survive the in-place sum of the payload."""
+    from compressors.base import SparseOwn
+
+    comp = from_spec(spec)
+    n = 30_011
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    x[::53] = -0.0
+    x[7], x[11], x[13] = float("inf"), float("nan"), -float("inf")
+    ctx = Context(numel=n, dtype=dtype, step=5, bucket=2)
+    if alg == "allgather":
+        comm = TwoRankGather(lambda t: t.clone())
+    else:
+        from test_cast_deferred import OtherRankComm
+        comm = OtherRankComm(torch.randn(comp.k_for(n), generator=g).to(dtype))
+    _, own = ALGORITHMS[alg](comm, comp, x.clone(), ctx, {}).wait()
+    xd = x.clone()
+    _, down = ALGORITHMS[alg](comm, comp, xd, ctx, {}, deferred=True).wait()
+    assert isinstance(down, SparseOwn)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    r = torch.full((n,), 7.0, dtype=dtype)
+    assert down.residual_(xd, r) is r
+    want = torch.sub(x, own)
+    nan = torch.isnan(want)
+    assert nan.any() and torch.equal(torch.isnan(r), nan)
+    assert torch.equal(r[~nan].view(bits), want[~nan].view(bits))
+    m = down.materialize()
+    assert torch.equal(torch.isnan(m), torch.isnan(own)) and torch.equal(m.nan_to_num().view(bits), own.nan_to_num().view(bits))
+    assert (own != 0).sum() > 0 and ((r == 0) & (x != 0)).sum() > 0  # something was sent and left the residual
+
+
+def test_sparse_own_of_another_tensor_falls_back():
+    from compressors.base import SparseOwn
+
+    comp = from_spec("topk:density=0.1")
+    x = torch.randn(1000)
+    ctx = Context(numel=1000)
+    own = comp.deferred_own(x, comp.compress(x, ctx), ctx)
+    assert isinstance(own, SparseOwn)
+    y = x + 1
+    r = torch.empty(1000)
+    own.residual_(y, r)
+    assert torch.equal(r, torch.sub(y, comp.decompress(comp.compress(x, ctx), ctx)))
