@@ -10,6 +10,7 @@ layouts for resume are tracked by :mod:`comms.layouts`. Guarantees are listed in
 """
 
 
+import functools
 import logging
 import struct
 
@@ -171,21 +172,27 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, alg.name,
                 lambda: alg.bucket_wire_bytes(compressor, ctx, world))
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
-    try:
-        # deferred: decodes written straight into the residual and x (see finish)
-        kw = {"deferred": True} if alg.deferred_results else {}
-        fut = alg(comm, compressor, x, ctx, state.store(index), **kw)
-    except (RuntimeError, IndexError, OverflowError) as exc:
-        # an intermediate round (waited in this thread) failed, or what it handed back does not
-        # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
-        # here it would reach backward() bare ("index out of range in self")
-        raise _round_failure(what, exc) from None
     masking = state.momentum_masking if state.momentum is not None and getattr(
         compressor, "sparsifies", False) else "off"
     mask = masking == "sent"  # DGC: wherever this rank sent
     # "held": where the aggregate left out what this rank sent (only algorithms that compress
     # again after the sum can); elsewhere every sent value landed and momentum goes on
     mask_held = masking == "held" and alg.holds_back
+    try:
+        # deferred: decodes written straight into the residual and x (see finish); own: this
+        # rank's decoded part is needed only for the residual and the masks
+        kw = {"deferred": True, "own": bool(state.error_feedback or mask or mask_held)} \
+            if alg.deferred_results else {}
+        if kw and state.error_feedback and not (mask or mask_held):
+            # the residual x - own, written while the payload is on the wire (x is unchanged
+            # until finish writes the aggregate into it); own then comes back None
+            kw["on_own"] = functools.partial(state.memory.update_, index, x)
+        fut = alg(comm, compressor, x, ctx, state.store(index), **kw)
+    except (RuntimeError, IndexError, OverflowError) as exc:
+        # an intermediate round (waited in this thread) failed, or what it handed back does not
+        # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
+        # here it would reach backward() bare ("index out of range in self")
+        raise _round_failure(what, exc) from None
 
     def finish(f):
         try:
@@ -204,7 +211,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
                 state.memory.mask_velocity_(index, own, held)
         elif state.error_feedback and isinstance(own, Deferred) and isinstance(total, Deferred):
             return state.memory.update_into_(index, x, own, total)  # x read once, written once
-        elif state.error_feedback:
+        elif state.error_feedback and own is not None:  # None: written already (on_own)
             state.memory.update_(index, x, own)  # a Deferred own: x - own in one pass
         if isinstance(total, Deferred):
             total.into_(x)  # decoded straight into the bucket (after the residual read x)

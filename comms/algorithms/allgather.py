@@ -61,19 +61,28 @@ def _gathered(compressor, ctx, payloads, deferred):
     return GatheredSum(compressor, ctx, payloads) if deferred else _sum_in_rank_order(compressor, ctx, payloads)
 
 
-def _allgather(comm, compressor, x, ctx, store, deferred=False):
+def _allgather(comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None):
     """Allgather the compressed payloads, decode each, sum in rank order (``deferred``: the
     sum comes back as a :class:`GatheredSum`, and ``own`` as the compressor's
-    :meth:`~compressors.base.Compressor.deferred_own` where it has one)."""
+    :meth:`~compressors.base.Compressor.deferred_own` where it has one; ``own`` False: it
+    comes back as None, never decoded; ``on_own``: handed to it while the round is on the
+    wire, and None comes back)."""
+    wanted = own
     payload = compressor.compress(x, ctx)
     layout = layout_of(payload)
     buf = to_bytes(payload)
     world = comm.world_size
 
     def decode_own():  # run while the payload round is on the wire (it only reads the payload)
+        if not wanted:
+            return None
         own = compressor.deferred_own(x, payload, ctx) if deferred else None
-        return own if own is not None else compressor.decompress_into(
-            payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
+        if own is None:
+            own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
+        if on_own is None:
+            return own
+        on_own(own)  # e.g. the residual, written while the payload is on the wire
+        return None
 
     if compressor.fixed_size:
         nbytes = buf.numel()
@@ -128,10 +137,13 @@ class Allgather(Algorithm):
     family = "allgather"
     deferred_results = True  # the sum can come back unwritten (a GatheredSum)
 
-    def __call__(self, comm, compressor, x, ctx, store, deferred=False):
+    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None):
         """``deferred`` (the hook): the sum comes back as a :class:`GatheredSum`, decoded
-        straight into the bucket."""
-        return _allgather(comm, compressor, x, ctx, store, deferred)
+        straight into the bucket; ``own`` False: this rank's own contribution is not decoded
+        (None; the caller keeps no residual and masks nothing); ``on_own``: a callable given
+        it in the caller's thread while the payload round is on the wire (``x`` unchanged
+        until the result is used), and None comes back in its place."""
+        return _allgather(comm, compressor, x, ctx, store, deferred, own, on_own)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         return (world - 1) * compressor.wire_bytes(numel, dtype)

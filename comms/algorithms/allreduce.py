@@ -88,17 +88,23 @@ class Allreduce(Algorithm):
     family = "allreduce"
     deferred_results = True  # PowerSGD's and the casts' decodes can come back unwritten (see __call__)
 
-    def __call__(self, comm, compressor, x, ctx, store, deferred=False):
+    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None):
         """``deferred`` (the hook): ``(sum, own)`` may come back as
         :class:`compressors.base.Deferred` results — a two-round compressor's decodes, and a
         single-round compressor's where it offers them (:meth:`~compressors.base.Compressor.deferred_own`,
         ``deferred_sum``: the casts, whose residual and aggregate the hook then writes in one
-        pass over the bucket). ``x`` must then stay unchanged until they are used."""
+        pass over the bucket). ``x`` must then stay unchanged until they are used. ``own``
+        False: the caller has no use for this rank's decoded contribution (no error feedback,
+        no masking) and a single-round compressor's comes back as None, never decoded.
+        ``on_own``: a single-round compressor's ``own`` is handed to it in the caller's thread
+        while the round is on the wire, and None comes back in its place (two-round
+        compressors ignore it and return ``own``)."""
         if compressor.allreduce_rounds == 2:
             return _power_iteration(comm, compressor, x, ctx, store, deferred)
         payload = compressor.compress(x, ctx)
-        own = compressor.deferred_own(x, payload, ctx) if deferred else None
-        if own is None:
+        wanted = own
+        own = compressor.deferred_own(x, payload, ctx) if deferred and wanted else None
+        if own is None and wanted:
             own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
         dtypes = {t.dtype for t in payload}
         if len(dtypes) != 1:
@@ -106,7 +112,7 @@ class Allreduce(Algorithm):
                             "the allreduce family needs one summable dtype")
         layout = layout_of(payload)
         if len(payload) == 1 and not _shares_memory(payload[0], x) and (
-                isinstance(own, Deferred) or not _shares_memory(payload[0], own)):
+                own is None or isinstance(own, Deferred) or not _shares_memory(payload[0], own)):
             wire = payload[0].reshape(-1)
         else:  # the allreduce works in place: never sum into x or own's memory
             wire = torch.cat([t.reshape(-1) for t in payload])
@@ -121,7 +127,11 @@ class Allreduce(Algorithm):
                 total = compressor.decompress_into(summed, ctx, buffers.empty(ctx.numel, ctx.dtype, wire.device))
             return total, own
 
-        return comm.all_reduce(wire).then(done)
+        fut = comm.all_reduce(wire)
+        if on_own is not None and own is not None:
+            on_own(own)  # e.g. the residual, written while the payload is on the wire
+            own = None  # done() reads it when the round completes
+        return fut.then(done)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         return 2 * (world - 1) * compressor.wire_bytes(numel, dtype) // world

@@ -65,7 +65,8 @@ class Algorithm:
     family: str = ""
     hierarchical: bool = False
     #: ``__call__`` takes ``deferred=True`` and may then return ``(sum, own)`` as
-    #: :class:`compressors.base.Deferred` results (written by the hook where they go)
+    #: :class:`compressors.base.Deferred` results (written by the hook where they go), and
+    #: ``own=False``, when the caller does not use ``own`` (which may then come back None)
     deferred_results: bool = False
     #: the aggregate may leave out a coordinate a rank sent (held in a residual of the
     #: algorithm's own, e.g. two_phase's owner re-compression); see the module docstring

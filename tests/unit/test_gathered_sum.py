@@ -8,7 +8,7 @@ import torch
 from comms.algorithms import ALGORITHMS
 from comms.algorithms.allgather import GatheredSum
 from compressors import Context, from_spec
-from compressors.base import materialized
+from compressors.base import Deferred, materialized
 
 SPECS = ["topk:density=0.01", "topk:density=0.05,exact=false", "randomk:density=0.02", "sign",
          "qsgd:bits=4", "qsgd:bits=8", "fp16"]
@@ -124,3 +124,90 @@ def test_sparse_own_of_another_tensor_falls_back():
     r = torch.empty(1000)
     own.residual_(y, r)
     assert torch.equal(r, torch.sub(y, comp.decompress(comp.compress(x, ctx), ctx)))
+
+
+@pytest.mark.parametrize("spec,alg,decodes", [("qsgd:bits=4", "allgather", 0), ("sign", "allgather", 0),
+                                              ("fp16", "allreduce", 0), ("randomk:density=0.02", "allreduce", 1)])
+def test_own_not_wanted_is_not_decoded(spec, alg, decodes, monkeypatch):
+    """``own=False`` (the hook without error feedback or masking): ``own`` comes back None and
+    the compressor never decodes this rank's payload alone (random-k's one decode on the
+    allreduce is the sum's); the aggregate keeps its bits."""
+    from compressors.base import Deferred
+
+    comp = from_spec(spec)
+    n = 20_011
+    x = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    ctx = Context(numel=n, step=4, bucket=0)
+    if alg == "allgather":
+        comm = TwoRankGather(lambda t: t.clone())
+    else:
+        from test_cast_deferred import OtherRankComm
+        k = comp.k_for(n) if hasattr(comp, "k_for") else n
+        comm = OtherRankComm(torch.randn(k, generator=torch.Generator().manual_seed(7)))
+    total, _ = ALGORITHMS[alg](comm, comp, x.clone(), ctx, {}).wait()
+    calls = []
+    real = type(comp).decompress_into
+    monkeypatch.setattr(type(comp), "decompress_into", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    dtotal, down = ALGORITHMS[alg](comm, comp, x.clone(), ctx, {}, deferred=True, own=False).wait()
+    assert down is None and len(calls) == decodes
+    got = dtotal.into_(torch.full((n,), 7.0)) if isinstance(dtotal, Deferred) else dtotal
+    assert torch.equal(got.view(torch.int32), total.view(torch.int32))
+
+
+class HeldGather:
+    """An allgather / allreduce whose round completes only when the test says so."""
+
+    rank, world_size, backend = 0, 2, "local"
+
+    def __init__(self):
+        self.pending = []
+
+    def _held(self, value):
+        f = torch.futures.Future()
+        self.pending.append((f, value))
+        return f
+
+    def all_gather(self, t):
+        return self._held(torch.cat([t, t]))
+
+    def all_reduce(self, t):
+        return self._held(t.mul_(2))
+
+    def complete(self):
+        for f, v in self.pending:
+            f.set_result(v)
+
+
+@pytest.mark.parametrize("spec,alg", [("topk:density=0.01", "allgather"), ("sign", "allgather"),
+                                      ("fp16", "allreduce"), ("randomk:density=0.02", "allreduce"),
+                                      ("randomk:density=0.02", "allgather")])
+def test_on_own_runs_while_the_round_is_on_the_wire(spec, alg):
+    """``on_own`` (the hook's residual, with error feedback and no masking) gets this rank's
+    own contribution before the round completes; ``own`` then comes back None, and the
+    residual written from it has the bits of ``x - own``."""
+    comp = from_spec(spec)
+    n = 20_011
+    x = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    x[::37] = -0.0
+    ctx = Context(numel=n, step=4, bucket=0)
+    ref_comm = HeldGather()
+    ref_fut = ALGORITHMS[alg](ref_comm, comp, x.clone(), ctx, {})
+    ref_comm.complete()
+    ref_total, ref_own = ref_fut.wait()
+    got = []
+    xd = x.clone()
+    r = torch.full((n,), 7.0)
+    comm = HeldGather()
+    def on_own(o):  # what the hook does: ErrorFeedback.update_
+        got.append(materialized(o).clone())
+        return o.residual_(xd, r) if isinstance(o, Deferred) else torch.sub(xd, o, out=r)
+
+    fut = ALGORITHMS[alg](comm, comp, xd, ctx, {}, deferred=True, on_own=on_own)
+    assert len(got) == 1 and not fut.done()  # handed over while the round is pending
+    comm.complete()
+    dtotal, down = fut.wait()
+    assert down is None
+    assert torch.equal(got[0].view(torch.int32), ref_own.view(torch.int32))
+    assert torch.equal(r.view(torch.int32), torch.sub(x, ref_own).view(torch.int32))
+    out = dtotal.into_(torch.empty(n)) if isinstance(dtotal, Deferred) else dtotal
+    assert torch.equal(out.view(torch.int32), ref_total.view(torch.int32))
