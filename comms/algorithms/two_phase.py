@@ -43,13 +43,15 @@ import math
 import torch
 
 
+from compressors.base import Deferred
+
 from . import cuda_kernels as cuda_dispatch
 from . import buffers
 from .base import Algorithm, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
-__all__ = ["TwoPhase", "two_phase", "chunk_context", "chunk_shapes", "ChunkWire", "scatter_send", "decode_sum", "two_phase_error_bound"]
+__all__ = ["TwoPhase", "two_phase", "OwnerChunks", "chunk_context", "chunk_shapes", "ChunkWire", "scatter_send", "decode_sum", "two_phase_error_bound"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +205,48 @@ def decode_sum(compressor, recv: torch.Tensor, layout: ChunkWire, nb: int, strid
     return acc
 
 
-def _two_phase(comm, compressor, x, ctx, store):
-    """Two-phase compressed allreduce of flat ``x``; see the module docstring."""
+class OwnerChunks(Deferred):
+    """The owners' allgathered phase-2 payloads, decoded chunk by chunk only where the hook
+    writes them: :meth:`into_` decodes each chunk straight into its slice of the bucket (a
+    short last chunk through a chunk-sized temporary, so its padding is never written) — the
+    bits of the decoded sum and its copy, without both."""
+
+    __slots__ = ("compressor", "ctx", "layout", "g", "nb2", "world", "m")
+
+    def __init__(self, compressor, ctx, layout, g, nb2, world, m):
+        self.compressor, self.ctx, self.layout, self.g = compressor, ctx, layout, g
+        self.nb2, self.world, self.m = nb2, world, m
+
+    def _decode(self, i, out):
+        c, w = self.compressor, self.world
+        return c.decompress_into(self.layout.read(self.g[i * self.nb2:(i + 1) * self.nb2], i),
+                                 chunk_context(self.ctx, w, 2, i, i), out)
+
+    def materialize(self) -> torch.Tensor:
+        m = self.m
+        out = buffers.empty(self.world * m, self.ctx.dtype, self.g.device)
+        for i in range(self.world):  # the owner decodes its own payload from the wire, like everyone
+            self._decode(i, out[i * m:(i + 1) * m])
+        return out[:self.ctx.numel]
+
+    def into_(self, out: torch.Tensor) -> torch.Tensor:
+        n, m = self.ctx.numel, self.m
+        if out.dtype != self.ctx.dtype or not out.is_contiguous() or out.numel() != n:
+            return out.copy_(self.materialize())
+        flat = out.view(-1)
+        for i in range(self.world):
+            lo, hi = i * m, min(n, (i + 1) * m)
+            if hi - lo == m:
+                self._decode(i, flat[lo:hi])
+            elif hi > lo:
+                flat[lo:hi].copy_(self._decode(i, buffers.empty(m, self.ctx.dtype, flat.device))[:hi - lo])
+        return out
+
+
+def _two_phase(comm, compressor, x, ctx, store, deferred=False, on_own=None):
+    """Two-phase compressed allreduce of flat ``x``; see the module docstring. ``deferred``:
+    the sum comes back as an :class:`OwnerChunks`; ``on_own``: this rank's phase-1 decode is
+    handed to it while the phase-2 round is on the wire, and None comes back in its place."""
     _need_fixed_size(compressor)
     world, rank, n = comm.world_size, comm.rank, x.numel()
     check_same_layout(comm, "two_phase", ctx)
@@ -242,14 +284,14 @@ def _two_phase(comm, compressor, x, ctx, store):
     send2 = buffers.empty(nb2, torch.uint8, x.device)
     layout.write(p2, send2)
     fut2 = comm.all_gather(send2)
+    mine = own[:n]
+    if on_own is not None:
+        on_own(mine)  # e.g. the residual, written while the owners' payloads are on the wire
+        mine = None
 
     def done(f):
-        g = f.value()
-        out = buffers.empty(world * m, ctx.dtype, x.device)
-        for i in range(world):  # the owner decodes its own payload from the wire, like everyone
-            compressor.decompress_into(layout.read(g[i * nb2:(i + 1) * nb2], i),
-                                       chunk_context(ctx, world, 2, i, i), out[i * m:(i + 1) * m])
-        return out[:n], own[:n]
+        total = OwnerChunks(compressor, ctx, layout, f.value(), nb2, world, m)
+        return (total if deferred else total.materialize()), mine
 
     return fut2.then(done)
 
@@ -282,9 +324,13 @@ class TwoPhase(Algorithm):
     name = "two_phase"
     family = "two_phase"
     holds_back = True  # the owner's re-compression of the chunk sum keeps a residual
+    deferred_results = True  # the sum can come back unwritten (an OwnerChunks)
 
-    def __call__(self, comm, compressor, x, ctx, store):
-        return _two_phase(comm, compressor, x, ctx, store)
+    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None):
+        """``deferred`` (the hook): the sum comes back as an :class:`OwnerChunks`, decoded
+        straight into the bucket; ``on_own``: see :func:`_two_phase`; ``own`` is accepted
+        (the phase-1 decode is needed for the exchange anyway)."""
+        return _two_phase(comm, compressor, x, ctx, store, deferred, on_own)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         m = -(-numel // world)

@@ -211,3 +211,47 @@ def test_on_own_runs_while_the_round_is_on_the_wire(spec, alg):
     assert torch.equal(r.view(torch.int32), torch.sub(x, ref_own).view(torch.int32))
     out = dtotal.into_(torch.empty(n)) if isinstance(dtotal, Deferred) else dtotal
     assert torch.equal(out.view(torch.int32), ref_total.view(torch.int32))
+
+
+class SameDataTwoRanks:
+    """two_phase's rounds at world size 2 as rank 0 sees them when rank 1 holds the same
+    bucket: every rank's payload for chunk 0 is this rank's, and owner 1's phase-2 payload
+    stands in as a copy of owner 0's (layouts agree for a flat bucket)."""
+
+    rank, world_size, backend = 0, 2, "local"
+
+    def _done(self, v):
+        f = torch.futures.Future()
+        f.set_result(v)
+        return f
+
+    def all_to_all(self, send):
+        row = send.view(2, -1)[0]
+        return self._done(torch.cat([row, row]))
+
+    def all_gather(self, t):
+        return self._done(torch.cat([t, t]))
+
+    def all_reduce(self, t):  # the layout check's agreement round
+        return self._done(t)
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.01", "sign", "qsgd:bits=4"])
+@pytest.mark.parametrize("n", [10_002, 10_001])  # the second: a short last chunk
+def test_two_phase_owner_chunks_into_bucket(spec, n):
+    from comms.algorithms.two_phase import OwnerChunks
+
+    comp = from_spec(spec)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(9)) * 2
+    ctx = Context(numel=n, step=6, bucket=3)
+    total, own = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}).wait()
+    dtotal, down = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}, deferred=True).wait()
+    assert isinstance(dtotal, OwnerChunks) and torch.equal(down, own)
+    out = torch.full((n,), 7.0)
+    assert dtotal.into_(out) is out
+    assert torch.equal(out.view(torch.int32), total.view(torch.int32))
+    assert torch.equal(dtotal.materialize().view(torch.int32), total.view(torch.int32))
+    got = []
+    _, none = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}, deferred=True,
+                                      on_own=lambda o: got.append(o.clone())).wait()
+    assert none is None and torch.equal(got[0], own)
