@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["ScaledCodesDecoder", "ALIGNS", "check_align", "Context", "Compressor", "FAMILIES", "check_density", "check_chunk", "check_input",
            "Workspace", "block_elems", "chunk_pieces", "numpy_view", "fresh_empty", "PayloadPool",
-           "Deferred", "SparseOwn", "materialized"]
+           "Deferred", "SparseOwn", "materialized", "same_flat"]
 
 logger = logging.getLogger(__name__)
 
@@ -481,6 +481,14 @@ class Deferred:
         return self.into_(x)
 
 
+def same_flat(x: torch.Tensor, ref: torch.Tensor, r: torch.Tensor) -> bool:
+    """``x`` is ``ref``'s memory (the tensor a Deferred was made from) and ``x``, ``r`` are
+    contiguous tensors of one size and dtype: a fused pass over them may read ``ref`` as ``x``."""
+    n = ref.numel()
+    return (x.data_ptr() == ref.data_ptr() and x.numel() == n and r.numel() == n and r.dtype == x.dtype
+            and x.is_contiguous() and r.is_contiguous())
+
+
 class SparseOwn(Deferred):
     """A sparsifier's own contribution: ``own[idx] = vals``, zero elsewhere (``vals`` the
     decoded values, bit for bit what the decode writes). Its residual ``x - own`` is ``x`` off
@@ -498,9 +506,7 @@ class SparseOwn(Deferred):
             0, self.idx, self.vals)
 
     def residual_(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        n = self.x.numel()
-        if (x.data_ptr() != self.x.data_ptr() or x.numel() != n or r.numel() != n or r.dtype != x.dtype
-                or not (x.is_contiguous() and r.is_contiguous())):
+        if not same_flat(x, self.x, r):
             return super().residual_(x, r)
         xf, rf = x.view(-1), r.view(-1)
         rf.copy_(xf)

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from . import cpu_kernels
-from .base import Compressor, Deferred, check_input, fresh_empty
+from .base import Compressor, Deferred, check_input, fresh_empty, same_flat
 
 __all__ = ["Cast", "CastOwn", "CastSum"]
 
@@ -65,15 +65,12 @@ class Cast(Compressor):
 _WIRE_CODE = {torch.float16: 1, torch.bfloat16: 2}  # cp_cast_finish's wire dtype codes
 
 
-def _finish_kernel(*tensors):
-    """The compiled library when every tensor is a contiguous CPU tensor, else None."""
-    if not all(t.is_contiguous() for t in tensors):
+def _finish_kernel(own: "CastOwn", x: torch.Tensor, r: torch.Tensor, *more):
+    """The compiled library when ``x`` is the fp32 bucket ``own`` was made from and ``r``,
+    ``more`` fit it (contiguous CPU tensors), else None: the torch path."""
+    if x.dtype != torch.float32 or not same_flat(x, own.x, r) or not all(t.is_contiguous() for t in more):
         return None
-    return cpu_kernels.lib(*tensors)
-
-
-def _fp32_flat(t: torch.Tensor, n: int) -> bool:
-    return t.dtype == torch.float32 and t.numel() == n and t.is_contiguous()
+    return cpu_kernels.lib(x, r, *more)
 
 
 class CastOwn(Deferred):
@@ -92,12 +89,10 @@ class CastOwn(Deferred):
         return self.x.to(self.wire).to(self.x.dtype)
 
     def residual_(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        n = self.x.numel()
-        same = x.data_ptr() == self.x.data_ptr() and _fp32_flat(x, n) and _fp32_flat(r, n)
-        ck = _finish_kernel(x, r) if same else None
+        ck = _finish_kernel(self, x, r)
         if ck is None:
             return super().residual_(x, r)
-        ck.cp_cast_finish(x.data_ptr(), r.data_ptr(), None, _WIRE_CODE[self.wire], n, cpu_kernels.threads())
+        ck.cp_cast_finish(x.data_ptr(), r.data_ptr(), None, _WIRE_CODE[self.wire], x.numel(), cpu_kernels.threads())
         return r
 
 
@@ -121,12 +116,11 @@ class CastSum(Deferred):
     def into_with_residual_(self, own: Deferred, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """``own.residual_(x, r)`` then :meth:`into_` in one compiled pass when ``own`` is the
         :class:`CastOwn` of this ``x``; the same bits either way."""
-        n = self.summed.numel()
-        ok = (isinstance(own, CastOwn) and own.wire == self.summed.dtype and x.data_ptr() == own.x.data_ptr()
-              and _fp32_flat(x, n) and _fp32_flat(r, n) and own.x.numel() == n)
-        ck = _finish_kernel(x, r, self.summed) if ok else None
+        ok = (isinstance(own, CastOwn) and own.wire == self.summed.dtype
+              and own.x.numel() == self.summed.numel())
+        ck = _finish_kernel(own, x, r, self.summed) if ok else None
         if ck is None:
             return super().into_with_residual_(own, x, r)
-        ck.cp_cast_finish(x.data_ptr(), r.data_ptr(), self.summed.data_ptr(), _WIRE_CODE[own.wire], n,
-                          cpu_kernels.threads())
+        ck.cp_cast_finish(x.data_ptr(), r.data_ptr(), self.summed.data_ptr(), _WIRE_CODE[own.wire],
+                          x.numel(), cpu_kernels.threads())
         return x

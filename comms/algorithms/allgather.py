@@ -16,7 +16,7 @@ from compressors.base import Deferred
 from ..deadline import advice
 from ..errors import where
 from . import buffers
-from .base import Algorithm, round_wait
+from .base import Algorithm, decode_own, hand_over, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
 __all__ = ["Allgather", "allgather", "GatheredSum"]
@@ -24,9 +24,12 @@ __all__ = ["Allgather", "allgather", "GatheredSum"]
 logger = logging.getLogger(__name__)
 
 
-def _sum_in_rank_order(compressor, ctx, payloads):
+def _sum_in_rank_order(compressor, ctx, payloads, acc=None):
+    """Decode every payload and add it into zeros, rank 0 first (``acc``: zeros of
+    ``ctx.dtype`` to sum into, fp32/fp64 buckets only)."""
     acc_dtype = torch.float32 if ctx.dtype in (torch.float16, torch.bfloat16) else ctx.dtype
-    acc = buffers.zeros(ctx.numel, acc_dtype, ctx.device)
+    if acc is None:
+        acc = buffers.zeros(ctx.numel, acc_dtype, ctx.device)
     for r, p in enumerate(payloads):
         compressor.decompress_add_(p, ctx.with_(rank=r, dtype=acc_dtype), acc)
     return acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
@@ -51,9 +54,7 @@ class GatheredSum(Deferred):
         if (ctx.dtype in (torch.float16, torch.bfloat16) or out.dtype != ctx.dtype
                 or not out.is_contiguous() or out.numel() != ctx.numel or out.device != ctx.device):
             return out.copy_(self.materialize())
-        acc = out.view(-1).zero_()
-        for r, p in enumerate(self.payloads):
-            self.compressor.decompress_add_(p, ctx.with_(rank=r), acc)
+        _sum_in_rank_order(self.compressor, ctx, self.payloads, acc=out.view(-1).zero_())
         return out
 
 
@@ -73,21 +74,13 @@ def _allgather(comm, compressor, x, ctx, store, deferred=False, own=True, on_own
     buf = to_bytes(payload)
     world = comm.world_size
 
-    def decode_own():  # run while the payload round is on the wire (it only reads the payload)
-        if not wanted:
-            return None
-        own = compressor.deferred_own(x, payload, ctx) if deferred else None
-        if own is None:
-            own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
-        if on_own is None:
-            return own
-        on_own(own)  # e.g. the residual, written while the payload is on the wire
-        return None
+    def own_now():  # run while the payload round is on the wire (it only reads the payload)
+        return hand_over(decode_own(compressor, x, payload, ctx, deferred), on_own) if wanted else None
 
     if compressor.fixed_size:
         nbytes = buf.numel()
         fut = comm.all_gather(buf)
-        own = decode_own()
+        own = own_now()
 
         def done(fut):
             g = fut.value().view(world, nbytes)
@@ -115,7 +108,7 @@ def _allgather(comm, compressor, x, ctx, store, deferred=False, own=True, on_own
         padded = torch.zeros(width, dtype=torch.uint8, device=buf.device)
         padded[: buf.numel()] = buf
         fut = comm.all_gather(padded)
-        own = decode_own()
+        own = own_now()
 
         def done(fut):
             g = fut.value().view(world, width)

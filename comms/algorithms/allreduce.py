@@ -23,7 +23,7 @@ from compressors import Context
 from compressors.base import Deferred
 
 from . import buffers
-from .base import Algorithm, round_wait
+from .base import Algorithm, decode_own, hand_over, round_wait
 from .wire import layout_of
 
 __all__ = ["Allreduce", "allreduce", "payload_dtype"]
@@ -102,10 +102,7 @@ class Allreduce(Algorithm):
         if compressor.allreduce_rounds == 2:
             return _power_iteration(comm, compressor, x, ctx, store, deferred)
         payload = compressor.compress(x, ctx)
-        wanted = own
-        own = compressor.deferred_own(x, payload, ctx) if deferred and wanted else None
-        if own is None and wanted:
-            own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
+        own = decode_own(compressor, x, payload, ctx, deferred) if own else None
         dtypes = {t.dtype for t in payload}
         if len(dtypes) != 1:
             raise TypeError(f"{compressor.name} payload mixes dtypes {sorted(map(str, dtypes))}; "
@@ -128,9 +125,7 @@ class Allreduce(Algorithm):
             return total, own
 
         fut = comm.all_reduce(wire)
-        if on_own is not None and own is not None:
-            on_own(own)  # e.g. the residual, written while the payload is on the wire
-            own = None  # done() reads it when the round completes
+        own = hand_over(own, on_own)  # done() reads it when the round completes
         return fut.then(done)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):

@@ -41,13 +41,33 @@ import torch
 
 from ..deadline import wait
 from ..errors import where
+from . import buffers
 
-__all__ = ["Algorithm", "DENSE", "round_wait"]
+__all__ = ["Algorithm", "DENSE", "round_wait", "decode_own", "hand_over"]
 
 logger = logging.getLogger(__name__)
 
 # the name of "no compression, DDP's plain allreduce" wherever a plan names an algorithm
 DENSE = "dense"
+
+
+def decode_own(compressor, x, payload, ctx, deferred: bool):
+    """This rank's decoded contribution: the compressor's
+    :meth:`~compressors.base.Compressor.deferred_own` when ``deferred`` and it has one, else
+    the payload decoded now (into a reused buffer)."""
+    own = compressor.deferred_own(x, payload, ctx) if deferred else None
+    if own is None:
+        own = compressor.decompress_into(payload, ctx, buffers.empty(ctx.numel, ctx.dtype, x.device))
+    return own
+
+
+def hand_over(own, on_own):
+    """``own`` given to ``on_own`` (e.g. the caller's residual, written while the round is on
+    the wire) and None in its place; ``own`` itself when there is no ``on_own``."""
+    if on_own is None or own is None:
+        return own
+    on_own(own)
+    return None
 
 
 def round_wait(comm, fut, ctx, round_name: str):

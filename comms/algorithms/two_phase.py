@@ -47,7 +47,7 @@ from compressors.base import Deferred
 
 from . import cuda_kernels as cuda_dispatch
 from . import buffers
-from .base import Algorithm, round_wait
+from .base import Algorithm, hand_over, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
@@ -284,10 +284,7 @@ def _two_phase(comm, compressor, x, ctx, store, deferred=False, on_own=None):
     send2 = buffers.empty(nb2, torch.uint8, x.device)
     layout.write(p2, send2)
     fut2 = comm.all_gather(send2)
-    mine = own[:n]
-    if on_own is not None:
-        on_own(mine)  # e.g. the residual, written while the owners' payloads are on the wire
-        mine = None
+    mine = hand_over(own[:n], on_own)  # e.g. the residual, while the owners' payloads are on the wire
 
     def done(f):
         total = OwnerChunks(compressor, ctx, layout, f.value(), nb2, world, m)
