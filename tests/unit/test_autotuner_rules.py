@@ -24,12 +24,13 @@ def drive(tuner, times, steps, start=0, agreed=None):
 def test_rounds_are_interleaved_and_a_clear_winner_locks_after_min_rounds():
     t = Autotuner(steps_per_trial=2, trials=3)
     agreed = []
-    cost = {"dense": 1.0, "a": 0.5, "b": 0.8, "c": 1.4}
+    cost = {"dense": 1.0, "a": 0.5, "b": 0.54, "c": 1.4}
     rules = drive(t, lambda r, s: cost[r], 36, agreed=agreed)
     # round 1: every rule for 2 steps, in order; then only the live ones
     assert rules[:8] == ["dense", "dense", "a", "a", "b", "b", "c", "c"]
-    # c is slower than every dense step: dropped at once; b also beats dense, so it stays
-    # until min_rounds (a few samples cannot separate close plans), then a's lead decides
+    # c is slower than every dense step: dropped at once; b also beats dense and is within
+    # the decisive 10% of a, so it stays until min_rounds (a few samples cannot separate close
+    # plans), then a's lead decides
     assert rules[8:26] == ["dense", "dense", "a", "a", "b", "b"] * 3
     assert t.locked and t.decision == "a" and rules[26:] == ["a"] * 10
     assert [len(v) for v in agreed] == [8, 6, 6, 6]
@@ -37,6 +38,32 @@ def test_rounds_are_interleaved_and_a_clear_winner_locks_after_min_rounds():
     assert t.tuning_steps == 26
     # the tuning cost is every tuning step's time beyond a's 0.5 s
     assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:26]) - 26 * 0.5)
+
+
+def test_a_decisive_result_locks_from_round_two():
+    # a beats dense and b by far more than the decisive 10% (and 3 standard errors): locked
+    # after round 2 instead of min_rounds (4); with decisive=0 the same timings take 4 rounds
+    cost = {"dense": 1.0, "a": 0.6, "b": 0.8, "c": 1.4}
+    for decisive, steps in ((0.10, 8 + 6), (0.0, 8 + 3 * 6)):
+        rng = random.Random(3)
+        t = Autotuner(steps_per_trial=2, trials=3, decisive=decisive)
+        rules = drive(t, lambda r, s: cost[r] * (1 + rng.uniform(-0.02, 0.02)), 40)
+        assert t.locked and t.decision == "a" and t.tuning_steps == steps, (decisive, t.table)
+        assert rules[steps:] == ["a"] * (40 - steps)
+    # round 1 alone never decides (one sample each: no spread measured)
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: {"dense": 1.0, "a": 0.3}[r], 4)
+    assert not t.locked
+    # a second winner within 10% of the best keeps the phase open until min_rounds
+    t = Autotuner(steps_per_trial=2, trials=2)
+    drive(t, lambda r, s: {"dense": 1.0, "a": 0.6, "b": 0.64}[r], 40)
+    assert t.decision == "a" and t.tuning_steps == 4 * 6
+    # and so does a best that beats dense by less than the decisive margin
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: {"dense": 1.0, "a": 0.93}[r], 40)
+    assert t.decision == "a" and t.tuning_steps == 4 * 4
+    with pytest.raises(ValueError, match="decisive"):
+        Autotuner(decisive=1.0)
 
 
 def test_ties_and_small_gains_lock_dense():
