@@ -71,6 +71,10 @@ def target_for(hook: str, task: str | None = None) -> float | None:
 
 
 # -- tasks ----------------------------------------------------------------------------------
+# --seed S offsets every batch-order generator by S * SEED_STRIDE (S = 0: the recorded runs)
+SEED_STRIDE = 100_003
+
+
 class DigitsTask:
     """MLP 64-256-256-10 on scikit-learn's digits, SGD(momentum); loss on the whole train split."""
 
@@ -89,9 +93,10 @@ class DigitsTask:
         self.x, self.y = x[perm], y[perm]
         self.batch = args.batch or 32
         self.lr = args.lr or 0.05
+        self.seed = getattr(args, "seed", 0)  # callers without --seed (fsdp_convergence.py): 0
 
     def model(self) -> nn.Module:
-        torch.manual_seed(0)
+        torch.manual_seed(self.seed)
         return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                              nn.Linear(256, 10))
 
@@ -103,7 +108,7 @@ class DigitsTask:
         g = self.batch * world
         epoch_len = n // g
         epoch, i = divmod(step, epoch_len)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(1000 + epoch))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(1000 + epoch + SEED_STRIDE * self.seed))
         idx = perm[i * g + rank * self.batch: i * g + (rank + 1) * self.batch]
         return self.x[idx], self.y[idx]
 
@@ -148,18 +153,20 @@ class CharLMTask:
         g = torch.Generator().manual_seed(1)
         starts = torch.randint(0, self.held.numel() - self.seq - 1, (64,), generator=g)
         self.eval_tokens = torch.stack([self.held[s: s + self.seq + 1] for s in starts.tolist()])
+        self.seed = getattr(args, "seed", 0)  # callers without --seed (fsdp_convergence.py): 0
 
     def model(self) -> nn.Module:
         from ddp_step import TinyLM
 
-        torch.manual_seed(0)
+        torch.manual_seed(self.seed)
         return TinyLM(width=128, depth=2, vocab=self.vocab, seq=self.seq, heads=4)
 
     def optimizer(self, params):
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
 
     def batch_at(self, step: int, rank: int, world: int):
-        g = torch.Generator().manual_seed(10_000 * step + 1)  # the same global batch for every hook
+        # the same global batch for every hook
+        g = torch.Generator().manual_seed(10_000 * step + 1 + SEED_STRIDE * self.seed)
         starts = torch.randint(0, self.train.numel() - self.seq - 1, (self.batch * world,), generator=g)
         mine = starts[rank * self.batch: (rank + 1) * self.batch].tolist()
         toks = torch.stack([self.train[s: s + self.seq + 1] for s in mine])
@@ -221,16 +228,17 @@ class OddConvTask:
         self.ex, self.ey = x[self.n_train:], y[self.n_train:]
         self.batch = args.batch or 16
         self.lr = args.lr or 0.05
+        self.seed = getattr(args, "seed", 0)  # callers without --seed (fsdp_convergence.py): 0
 
     def model(self) -> nn.Module:
-        torch.manual_seed(0)
+        torch.manual_seed(self.seed)
         return OddNet()
 
     def optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
 
     def batch_at(self, step: int, rank: int, world: int):
-        perm = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(step))
+        perm = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(step + SEED_STRIDE * self.seed))
         idx = perm[rank * self.batch: (rank + 1) * self.batch]
         return self.x[idx], self.y[idx]
 
@@ -278,7 +286,7 @@ class Digits25MTask(DigitsTask):
     def model(self) -> nn.Module:
         from ddp_step import build_model
 
-        return build_model(self.floor_model, self.width, self.depth, seed=0)
+        return build_model(self.floor_model, self.width, self.depth, seed=self.seed)
 
     @torch.no_grad()
     def evaluate(self, model) -> float:
@@ -701,6 +709,9 @@ def parser() -> argparse.ArgumentParser:
                         "or register without it (the optimizer keeps its momentum)")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per hook (default: per task, digits 1000, charlm 300, oddconv 500)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="model initialisation and batch order (0: the setting of every recorded run; "
+                        "the data and the evaluation set stay fixed)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--tail", type=int, default=5, help="evaluations averaged into the final loss")
     p.add_argument("--batch", type=int, default=None, help="per rank (digits 32, charlm 16)")
