@@ -175,15 +175,21 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     masking = state.momentum_masking if state.momentum is not None and getattr(
         compressor, "sparsifies", False) else "off"
     mask = masking == "sent"  # DGC: wherever this rank sent
+    # a sparsifier with error feedback on an algorithm that compresses again after the sum:
+    # what the second compression leaves out of this rank's values stays in this rank's
+    # residual (no owner residual), as if unsent — its momentum goes on like an unsent one's
+    give_back = alg.holds_back and state.error_feedback and getattr(compressor, "sparsifies", False)
     # "held": where the aggregate left out what this rank sent (only algorithms that compress
     # again after the sum can); elsewhere every sent value landed and momentum goes on
-    mask_held = masking == "held" and alg.holds_back
+    mask_held = masking == "held" and alg.holds_back and not give_back
     try:
         # deferred: decodes written straight into the residual and x (see finish); own: this
         # rank's decoded part is needed only for the residual and the masks
         kw = {"deferred": True, "own": bool(state.error_feedback or mask or mask_held)} \
             if alg.deferred_results else {}
-        if kw and state.error_feedback and not (mask or mask_held):
+        if give_back:
+            kw["return_held"] = True
+        elif kw and state.error_feedback and not (mask or mask_held):
             # the residual x - own, written while the payload is on the wire (x is unchanged
             # until finish writes the aggregate into it); own then comes back None
             kw["on_own"] = functools.partial(state.memory.update_, index, x)
@@ -200,7 +206,12 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
-        if mask or mask_held:  # before the aggregate goes into x
+        if give_back:  # before the aggregate goes into x
+            own, total = materialized(own), materialized(total)
+            if mask:
+                state.memory.mask_velocity_(index, own)
+            state.memory.update_returned_(index, x, own, total)
+        elif mask or mask_held:  # before the aggregate goes into x
             own = materialized(own)
             held = None
             if mask_held:

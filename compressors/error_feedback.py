@@ -116,6 +116,19 @@ class ErrorFeedback:
         torch.sub(x, decoded.to(x.dtype), out=r)
         return r
 
+    def update_returned_(self, bucket: int, x: torch.Tensor, sent: torch.Tensor,
+                         aggregate: torch.Tensor) -> torch.Tensor:
+        """Store ``x - sent`` where the aggregate came back nonzero and ``x`` where it came
+        back 0: what a second compression after the sum (two_phase's owner) left out of what
+        this rank sent stays with this rank, as if it had not been sent (Shi et al.'s gTop-k
+        rule); the algorithm then keeps no owner residual. Where the aggregate delivered, the
+        bits of :meth:`update_`. A sum that cancels to exactly 0 returns every sender's part
+        (their total is that 0: no mass is gained or lost)."""
+        r = self._residual_buffer(bucket, x)
+        sent = sent.to(x.dtype)
+        torch.where(aggregate.ne(0), torch.sub(x, sent, out=r), x, out=r)
+        return r
+
     def velocity(self, bucket: int, like: torch.Tensor) -> torch.Tensor | None:
         """The bucket's momentum-correction velocity, ``None`` if absent or of another layout."""
         u = self.velocities.get(bucket)

@@ -25,7 +25,10 @@ Contract of a subclass:
   once; returns whether it added one (default: keeps none);
 * optional ``error_bound(compressor, xs, dtype=None)``: per-element bound of ``|sum - sum(xs)|``;
 * ``holds_back``: whether the aggregate can keep back part of what a rank sent (a second
-  compression after the sum, whose residual stays with one rank: two_phase's owner). The
+  compression after the sum, whose residual stays with one rank: two_phase's owner). Such an
+  algorithm takes ``return_held=True`` (the hook passes it for a sparsifier with error
+  feedback): it keeps no residual of its own, and each sender keeps what was left out of its
+  values (:meth:`~compressors.error_feedback.ErrorFeedback.update_returned_`). Otherwise the
   hook's default momentum masking (``"held"``) zeroes the velocity only where that happened.
 
 Hierarchical forms are built by composition (:class:`comms.algorithms.hierarchical.Hierarchical`

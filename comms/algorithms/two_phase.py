@@ -9,7 +9,11 @@ chunk zero-padded so every chunk payload has the same byte size):
 3. the owner ``j`` decodes and sums them **in rank order** (fp32, or fp64 for fp64 buckets),
    adds its *owner-side* error-feedback residual (``store["two_phase_residual"]``, reset when
    the layout changes; used for biased compressors — unbiased ones re-compress without it so
-   the result stays unbiased), and re-compresses the sum;
+   the result stays unbiased), and re-compresses the sum. With ``return_held`` (the hook, for
+   a sparsifier with error feedback) the owner keeps no residual: each sender keeps the values
+   it sent that the owner's re-compression left out (they come back 0 in the aggregate),
+   Shi et al.'s gTop-k rule — no bytes added, and that coordinate's momentum goes on like an
+   unsent one's instead of pushing while the owner holds its value;
 4. ``all_gather`` the owners' payloads; every rank, the owner too, decodes every owner's
    payload — so all ranks hold the same bits.
 
@@ -243,20 +247,27 @@ class OwnerChunks(Deferred):
         return out
 
 
-def _two_phase(comm, compressor, x, ctx, store, deferred=False, on_own=None):
+def _two_phase(comm, compressor, x, ctx, store, deferred=False, on_own=None, return_held=False):
     """Two-phase compressed allreduce of flat ``x``; see the module docstring. ``deferred``:
     the sum comes back as an :class:`OwnerChunks`; ``on_own``: this rank's phase-1 decode is
-    handed to it while the phase-2 round is on the wire, and None comes back in its place."""
+    handed to it while the phase-2 round is on the wire, and None comes back in its place;
+    ``return_held``: the owner keeps no residual — the caller takes back, on each sender,
+    what the owner's re-compression left out (sparsifiers only)."""
     _need_fixed_size(compressor)
+    if return_held and not getattr(compressor, "sparsifies", False):
+        raise ValueError(f"two_phase return_held needs a sparsifier (what was left out must be "
+                         f"whole sent values); {compressor.spec()!r} is not one")
     world, rank, n = comm.world_size, comm.rank, x.numel()
     check_same_layout(comm, "two_phase", ctx)
     m = -(-n // world)
+    if return_held and two_phase.flush_residual_(x, store, comm):
+        store.pop(_RESIDUAL)  # an owner residual from before (a checkpoint): sent on by x once
 
     # phase 1: compress every chunk with this rank's private streams, exchange
     fut1, own, layout, nb, _ = scatter_send(comm, compressor, x, ctx)
     recv = round_wait(comm, fut1, ctx, "two_phase all_to_all round")  # intermediate round: see the module docstring
     ctx2 = chunk_context(ctx, world, 2, rank, rank)
-    use_ef = _owner_ef(compressor)
+    use_ef = _owner_ef(compressor) and not return_held
     # CUDA + QSGD: one fused kernel reads every rank's chunk once, sums in rank order and
     # re-quantizes (same bits as the torch path below); None: not applicable here
     p2 = (cuda_dispatch.two_phase_qsgd_owner(compressor, recv, world, m, ctx2)
@@ -323,11 +334,12 @@ class TwoPhase(Algorithm):
     holds_back = True  # the owner's re-compression of the chunk sum keeps a residual
     deferred_results = True  # the sum can come back unwritten (an OwnerChunks)
 
-    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None):
+    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None,
+                 return_held=False):
         """``deferred`` (the hook): the sum comes back as an :class:`OwnerChunks`, decoded
-        straight into the bucket; ``on_own``: see :func:`_two_phase`; ``own`` is accepted
-        (the phase-1 decode is needed for the exchange anyway)."""
-        return _two_phase(comm, compressor, x, ctx, store, deferred, on_own)
+        straight into the bucket; ``on_own``, ``return_held``: see :func:`_two_phase`; ``own``
+        is accepted (the phase-1 decode is needed for the exchange anyway)."""
+        return _two_phase(comm, compressor, x, ctx, store, deferred, on_own, return_held)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         m = -(-numel // world)

@@ -76,16 +76,29 @@ def train_final(rank: int, world: int, spec: str | None, algorithm: str | None, 
             "opt_momentum": opt.param_groups[0]["momentum"]}
 
 
-def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict:
+def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
+                  error_feedback: bool = True) -> dict:
     """Train ``steps`` steps the default way (``register(..., optimizer=opt)``, top-k 5% on
-    ``algorithm``) and record every velocity masking the hook does (``update_masked_`` and
+    ``algorithm``; without error feedback ``register(..., momentum=0.9)``) and record every velocity masking the hook does (``update_masked_`` and
     ``mask_velocity_``, compiled or torch): with an aggregate (the "held" rule) ``(u before,
     sent, aggregate, u after)`` under "held"; without one (DGC's rule) only a count under
-    "sent"."""
+    "sent". Every ``update_returned_`` goes under "returned" as ``(x, sent, aggregate,
+    residual, u before, u after)``; "owner_residuals": buckets whose algorithm store holds an
+    owner residual at the end."""
     from compressors import ErrorFeedback
 
-    calls: dict = {"held": [], "sent": 0, "depth": 0}
+    calls: dict = {"held": [], "sent": 0, "depth": 0, "returned": []}
     update_masked, mask_velocity = ErrorFeedback.update_masked_, ErrorFeedback.mask_velocity_
+    update_returned = ErrorFeedback.update_returned_
+
+    def spy_update_returned(self, bucket, x, sent, aggregate):
+        u = self.velocities.get(bucket)
+        before = None if u is None else u.clone()
+        x0 = x.clone()
+        r = update_returned(self, bucket, x, sent, aggregate)
+        calls["returned"].append((x0, sent.clone(), aggregate.clone(), r.clone(), before,
+                                  None if u is None else u.clone()))
+        return r
 
     def recorded(call, self, bucket, sent, aggregate):
         u = self.velocities.get(bucket)
@@ -113,11 +126,17 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict
 
     ErrorFeedback.update_masked_ = spy_update_masked  # this rank's process only
     ErrorFeedback.mask_velocity_ = spy_mask_velocity
+    ErrorFeedback.update_returned_ = spy_update_returned
     x_all, y_all = dataset()
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(OddNet(), find_unused_parameters=True, bucket_cap_mb=0.01)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-    comms.register(ddp, "topk:density=0.05", algorithm=algorithm, optimizer=opt)
+    if error_feedback:
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+        state = comms.register(ddp, "topk:density=0.05", algorithm=algorithm, optimizer=opt)
+    else:  # the optimizer's momentum moves into the hook only with error feedback: say it
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.0)
+        state = comms.register(ddp, "topk:density=0.05", algorithm=algorithm, momentum=MOMENTUM,
+                               error_feedback=False)
     for s in range(steps):
         idx = torch.arange(16) + 16 * (rank + world * s)
         loss = nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
@@ -125,4 +144,5 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4) -> dict
         loss.backward()
         opt.step()
     calls.pop("depth")
+    calls["owner_residuals"] = sum("two_phase_residual" in st for st in state.algo_store.values())
     return calls

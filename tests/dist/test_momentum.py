@@ -94,13 +94,13 @@ def test_randomk_with_momentum_does_not_diverge_over_600_steps():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("algorithm", ["allgather", "two_phase"])
 def test_masking_only_where_the_aggregate_held_back(algorithm):
-    """The default masking (``"held"``): with allgather every sent value lands in the same
-    step's aggregate and no velocity is masked; with two_phase the velocity is zeroed exactly
-    where this rank sent a value and the aggregate is 0 (the owner's re-compression kept it),
-    and kept where what was sent arrived."""
-    out = spawn(momentum_ranks.masking_calls, 2, algorithm, timeout=100)
+    """The default masking (``"held"``) without error feedback: with allgather every sent value
+    lands in the same step's aggregate and no velocity is masked; with two_phase the velocity
+    is zeroed exactly where this rank sent a value and the aggregate is 0 (the owner's
+    re-compression kept it), and kept where what was sent arrived."""
+    out = spawn(momentum_ranks.masking_calls, 2, algorithm, 4, False, timeout=100)
     for calls in out:
-        assert calls["sent"] == 0  # DGC's rule never runs by default
+        assert calls["sent"] == 0 and calls["returned"] == []  # DGC's rule never runs by default
         if algorithm == "allgather":
             assert calls["held"] == []
             continue
@@ -115,3 +115,31 @@ def test_masking_only_where_the_aggregate_held_back(algorithm):
             n_kept += int(((sent != 0) & (agg != 0) & (after != 0)).sum())
         assert n_held > 0 and n_kept > 0, (n_held, n_kept)
         assert sum(b is not None for b, *_ in calls["held"]) >= 4  # every step's buckets, fused too
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_phase_sparsifier_gives_back_what_the_owner_left_out(world):
+    """Top-k with error feedback on two_phase (the default way, momentum from the optimizer):
+    the owner keeps no residual; each rank's residual is ``x - sent`` where the aggregate came
+    back nonzero and ``x`` where the owner's re-compression left the coordinate out, and no
+    velocity is masked (such a value waits like an unsent one). Summed over ranks, what left
+    the residuals is the aggregate: no mass is lost or counted twice."""
+    out = spawn(momentum_ranks.masking_calls, world, "two_phase", 4, True, timeout=100)
+    for calls in out:
+        assert calls["held"] == [] and calls["sent"] == 0 and calls["owner_residuals"] == 0
+        assert len(calls["returned"]) >= 4
+    n_returned = 0
+    for k, per_rank in enumerate(zip(*(c["returned"] for c in out))):
+        agg = per_rank[0][2]
+        delivered = torch.zeros_like(agg, dtype=torch.float64)
+        for x, sent, agg_r, r, before, after in per_rank:
+            assert torch.equal(agg_r, agg), k  # every rank decoded the same aggregate
+            left_out = (sent != 0) & (agg == 0)
+            assert torch.equal(r, torch.where(agg != 0, x - sent, x)), k
+            assert before is None or torch.equal(after, before), k  # no velocity masked
+            n_returned += int(left_out.sum())
+            delivered += (x.double() - r.double())
+        assert torch.allclose(delivered, agg.double(), rtol=1e-5, atol=1e-7), k
+        assert torch.equal(delivered[agg == 0], torch.zeros_like(delivered[agg == 0])), k
+    assert n_returned > 0  # the owners did leave values out

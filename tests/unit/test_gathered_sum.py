@@ -255,3 +255,32 @@ def test_two_phase_owner_chunks_into_bucket(spec, n):
     _, none = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}, deferred=True,
                                       on_own=lambda o: got.append(o.clone())).wait()
     assert none is None and torch.equal(got[0], own)
+
+
+def test_two_phase_return_held_keeps_no_owner_residual():
+    """``return_held``: the same aggregate bits, no owner residual kept; an owner residual left
+    from before goes into this rank's chunk of ``x`` once (then phase 1 sends it on); a codec
+    that does not sparsify is refused before any round."""
+    from comms.algorithms.two_phase import _RESIDUAL
+
+    comp = from_spec("topk:density=0.01")
+    n = 10_002
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    ctx = Context(numel=n, step=2, bucket=0)
+    store: dict = {}
+    total, own = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, store).wait()
+    assert _RESIDUAL in store  # the owner's residual (top-k is biased)
+    kept = store[_RESIDUAL].clone()
+    bare: dict = {}
+    t2, o2 = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, bare,
+                                     return_held=True).wait()
+    assert bare == {} and torch.equal(t2, total) and torch.equal(o2, own)
+    # a residual from before: added into chunk 0 (this rank's) of x, then dropped from the store
+    y = x.clone()
+    ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, y, ctx, store, return_held=True).wait()
+    assert _RESIDUAL not in store
+    m = -(-n // 2)
+    assert torch.equal(y[:m], x[:m] + kept) and torch.equal(y[m:], x[m:])
+    with pytest.raises(ValueError, match="sign"):
+        ALGORITHMS["two_phase"](SameDataTwoRanks(), from_spec("sign"), x.clone(), ctx, {},
+                                return_held=True)

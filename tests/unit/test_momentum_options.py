@@ -58,6 +58,26 @@ def test_mask_velocity_with_aggregate_zeroes_only_what_it_left_out():
     assert torch.equal(mem.velocities[0], torch.tensor([1.0, 2.0, 0.0, 4.0, 0.0]))
 
 
+def test_update_returned_keeps_what_the_aggregate_left_out():
+    mem = ErrorFeedback()
+    x = torch.tensor([1.5, -2.0, 3.0, -0.0, 0.25, float("nan")])
+    sent = torch.tensor([1.5, -2.0, 0.0, 0.0, 0.125, 0.0])
+    aggregate = torch.tensor([3.0, 0.0, 1.0, -0.0, 0.5, 7.0])  # coordinate 1 left out; 3 is -0
+    r = mem.update_returned_(0, x, sent, aggregate)
+    want = torch.tensor([0.0, -2.0, 3.0, -0.0, 0.125, float("nan")])
+    assert r is mem.residuals[0] and torch.equal(r.isnan(), want.isnan())
+    assert torch.equal(r[:5], want[:5])
+    assert torch.equal(torch.signbit(r[:5]), torch.signbit(want[:5]))  # x itself where left out
+    # delivered coordinates: the bits of update_ (x - sent); the buffer is reused
+    y = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    s2 = torch.where(torch.arange(1000) % 7 == 0, y, torch.zeros(()))
+    agg = torch.where(torch.arange(1000) % 14 == 0, s2 * 3, torch.zeros(()))
+    r2 = mem.update_returned_(1, y, s2, agg)
+    assert torch.equal(r2, torch.where(agg != 0, y - s2, y))
+    assert mem.update_returned_(1, y, s2, agg).data_ptr() == r2.data_ptr()
+    assert torch.equal(r2[agg == 0], y[agg == 0]) and (r2[agg != 0] == 0).all()
+
+
 @pytest.mark.parametrize("value, mode", [("held", "held"), ("sent", "sent"), ("off", "off"),
                                          (True, "sent"), (False, "off")])
 def test_momentum_masking_modes(value, mode):
