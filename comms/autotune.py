@@ -15,8 +15,9 @@ and decides when **the data decides**:
   ``min_rounds`` (4) rounds, or when the
   next round would exceed ``max_steps`` (default 40 steps): then the fastest *winning* rule is
   locked, and dense when none won — an unclear result never compresses. Simulated with
-  three candidates as fast as dense and +-20% uniform step noise, 4 of 200 tunings locked a
-  compressed rule (tests/unit/test_autotuner_rules.py);
+  three candidates as fast as dense and +-20% uniform step noise, at most 4 of 100 seeded
+  tunings may lock a compressed rule (tests/unit/test_autotuner_rules.py; 1 of 400 measured
+  with the early lock below);
 * **a decisive result stops earlier**: from round 2 on, when the fastest winner's every
   sample beats every dense sample by ``decisive`` (10%) and every other rule is dropped or
   has every sample slower than every sample of that winner by ``decisive``, it is locked
@@ -115,6 +116,12 @@ def check_step_seconds(values: list[float], what: str) -> list[float]:
                            "disconnected (gloo can hand back garbage instead of an error); this "
                            "step's results are discarded")
     return values
+
+
+def _stderr(a: list[float], b: list[float]) -> float:
+    """The standard error of ``mean(a) - mean(b)`` (each at least 2 samples): the measured
+    step-to-step noise every decision rule compares a gain with."""
+    return math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
 
 
 class Autotuner:
@@ -301,8 +308,7 @@ class Autotuner:
             return False
         if len(s) < 2 or len(dense) < 2:
             return True
-        se = math.sqrt(statistics.variance(s) / len(s) + statistics.variance(dense) / len(dense))
-        return statistics.fmean(dense) - statistics.fmean(s) > 3 * se
+        return statistics.fmean(dense) - statistics.fmean(s) > 3 * _stderr(s, dense)
 
     @staticmethod
     def _beats(fast: list[float], slow: list[float], margin: float) -> bool:
@@ -310,8 +316,7 @@ class Autotuner:
         the slow sample), and the mean gain beyond that margin exceeds 3 standard errors."""
         if len(fast) < 2 or len(slow) < 2 or not max(fast) < min(slow) * (1 - margin):
             return False
-        se = math.sqrt(statistics.variance(fast) / len(fast) + statistics.variance(slow) / len(slow))
-        return statistics.fmean(slow) * (1 - margin) - statistics.fmean(fast) > 3 * se
+        return statistics.fmean(slow) * (1 - margin) - statistics.fmean(fast) > 3 * _stderr(fast, slow)
 
     def _pick(self, winners: list[str]) -> tuple[str, list[str]]:
         """``(pick, ties)``: the fastest winner (mean step), unless others are tied with it —
@@ -330,7 +335,7 @@ class Autotuner:
                 return False
             if len(a) < 2 or len(b) < 2:
                 return True  # no spread measured yet: within 2 * tie stays a tie
-            return gap < 3 * math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+            return gap < 3 * _stderr(a, b)
 
         ties = [r for r in winners if tied(r)]
         if len(ties) == 1:
