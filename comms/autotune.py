@@ -75,6 +75,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from .algorithms import DENSE
+from .deadline import advice
 
 __all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S", "MAX_STEP_SECONDS"]
 
@@ -108,13 +109,14 @@ def check_step_seconds(values: list[float], what: str) -> list[float]:
     with a message that names nothing.
 
     Raises:
-        RuntimeError: ``"<what> returned ... : a peer died or disconnected ..."``.
+        RuntimeError: ``"<what> returned ... : a peer died or disconnected ...; <advice>"``,
+            the advice (restart from the last checkpoint) every failed collective ends with.
     """
     bad = [v for v in values if not math.isnan(v) and not 0.0 <= v < MAX_STEP_SECONDS]
     if bad:
         raise RuntimeError(f"{what} returned {bad[0]!r} where step seconds belong: a peer died or "
                            "disconnected (gloo can hand back garbage instead of an error); this "
-                           "step's results are discarded")
+                           f"step's results are discarded; {advice()}")
     return values
 
 

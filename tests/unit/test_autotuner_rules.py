@@ -187,8 +187,10 @@ def test_garbage_timings_raise_a_named_error_before_any_rule_sees_them():
     ok = [0.5, math.nan, 0.0, MAX_STEP_SECONDS * 0.999]
     assert check_step_seconds(ok, "commpress: t") is ok
     for bad in (1e300, -0.25, math.inf, MAX_STEP_SECONDS):
-        with pytest.raises(RuntimeError, match=r"^commpress: t returned .* a peer died"):
+        with pytest.raises(RuntimeError, match=r"^commpress: t returned .* a peer died") as e:
             check_step_seconds([0.5, bad], "commpress: t")
+        # the same advice as every other failed collective: what to do next
+        assert "restart from the last checkpoint" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_planner_agreement_checks_what_the_collective_returned():
