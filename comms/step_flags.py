@@ -25,7 +25,7 @@ import torch
 
 import time
 
-from .deadline import HEARTBEAT, WATCHDOG, CollectiveTimeout, fail, failure, timeout_error, wait
+from .deadline import HEARTBEAT, WATCHDOG, CollectiveTimeout, advice, fail, failure, timeout_error, wait
 from .errors import where
 from .futures import guarded
 
@@ -93,7 +93,7 @@ class StepFlags:
                 silent = HEARTBEAT.silent()
                 raise RuntimeError(f"{what} returned a rank count of {vals[-1]:g} instead of {world}: "
                                    f"a peer died or disconnected{f' ({silent})' if silent else ''}; "
-                                   "this step's results are discarded")
+                                   f"this step's results are discarded; {advice()}")
             return vals
 
         try:

@@ -109,7 +109,7 @@ def test_garbage_from_a_dead_peer_reports_the_peer_not_the_decode():
     # raised; the step's flag allreduce counted 1 rank of 3: that is the error backward() gets
     msg = _step_with_garbled_bucket(flags_ok=False)
     assert msg.startswith("commpress: non-finite-flag allreduce") and "rank count of 1 instead of 3" in msg
-    assert "index out of range" not in msg and msg.count("commpress:") == 1 and ADVICE in msg
+    assert "index out of range" not in msg and msg.count("commpress:") == 1 and msg.count(ADVICE) == 1
     # every rank answered: a decode failure is a real one and is reported as such
     msg = _step_with_garbled_bucket(flags_ok=True)
     assert msg.startswith("commpress: allgather collective of bucket 0") and "index out of range" in msg
