@@ -24,7 +24,12 @@ and decides when **the data decides**:
   before ``min_rounds``. Near plans (within ``decisive`` of each other or of dense) still
   get ``min_rounds``; on a 1 Gb/s link, where dense is 1.5-3x slower than the compressed plans,
   this halves the tuning steps, and every dense trial step there costs the compressed step
-  time again.
+  time again;
+* **dense retires once beaten decisively**: from round 2 on, when every rule still in play
+  beats dense that way, dense runs no more trial steps (its samples still judge every rule)
+  and the remaining rounds only separate the compressed plans — on a 1 Gb/s link the rounds
+  between near compressed plans (qsgd8's allgather / two_phase / shared_scale) no longer pay
+  a dense step each.
 
 Interleaving matters on a shared machine: a load burst hits every rule of a round instead of
 one rule's whole block. Every rank runs the same deterministic decision on the same agreed
@@ -205,6 +210,7 @@ class Autotuner:
         self.tuning_steps = 0
         self.tuning_cost_s = 0.0
         self._active: list[str] = []
+        self._dense_retired = False  # dense lost decisively: no more dense trial steps
         self._rounds = 0
         self._samples: dict[str, list[float]] = {}
         self._round: list[tuple[int, str, bool]] = []  # (step, rule, counted) of this round
@@ -293,11 +299,18 @@ class Autotuner:
                                  for r in keep if r != best))
         else:
             keep = undecided
-        self._active = [DENSE] + [r for r in self._active if r in keep]
+        # dense has lost decisively to every rule still in play: its samples stay (every rule
+        # is still judged against them), its trial steps stop — on a slow link each one costs
+        # the compressed step time again, and the rounds left only separate the compressed plans
+        if (not self._dense_retired and self.decisive > 0 and rounds >= 2 and keep
+                and all(self._beats(self._samples[r], dense, self.decisive) for r in keep)):
+            self._dense_retired = True
+        live = [r for r in self._active if r != DENSE and r in keep]
+        self._active = live if self._dense_retired else [DENSE] + live
         used = sum(1 for _ in self._phase_steps)
         next_round = len(self._active) * self.steps
         if (rounds >= self.min_rounds and not undecided) or early \
-                or used + next_round > self.max_steps or len(self._active) == 1:
+                or used + next_round > self.max_steps or len(self._active) <= 1:
             self._lock(winners)
 
     def _wins(self, s: list[float], dense: list[float]) -> bool:

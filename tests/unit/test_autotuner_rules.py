@@ -24,20 +24,49 @@ def drive(tuner, times, steps, start=0, agreed=None):
 def test_rounds_are_interleaved_and_a_clear_winner_locks_after_min_rounds():
     t = Autotuner(steps_per_trial=2, trials=3)
     agreed = []
-    cost = {"dense": 1.0, "a": 0.5, "b": 0.54, "c": 1.4}
+    cost = {"dense": 1.0, "a": 0.92, "b": 0.95, "c": 1.4}
     rules = drive(t, lambda r, s: cost[r], 36, agreed=agreed)
     # round 1: every rule for 2 steps, in order; then only the live ones
     assert rules[:8] == ["dense", "dense", "a", "a", "b", "b", "c", "c"]
     # c is slower than every dense step: dropped at once; b also beats dense and is within
     # the decisive 10% of a, so it stays until min_rounds (a few samples cannot separate close
-    # plans), then a's lead decides
+    # plans), then a's lead decides; neither beats dense by the decisive 10%, so dense runs in
+    # every round
     assert rules[8:26] == ["dense", "dense", "a", "a", "b", "b"] * 3
     assert t.locked and t.decision == "a" and rules[26:] == ["a"] * 10
     assert [len(v) for v in agreed] == [8, 6, 6, 6]
     assert [(r, n) for r, _, n in t.table] == [("dense", 4), ("a", 4), ("b", 4), ("c", 1)]
     assert t.tuning_steps == 26
     # the tuning cost is every tuning step's time beyond a's 0.5 s
-    assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:26]) - 26 * 0.5)
+    assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:26]) - 26 * 0.92)
+
+
+def test_dense_beaten_decisively_by_every_live_rule_runs_no_more_trials():
+    # a and b both beat dense by far more than the decisive 10% but are within 10% of each
+    # other: the phase stays open until min_rounds, and from round 3 on only a and b run
+    cost = {"dense": 1.0, "a": 0.5, "b": 0.54, "c": 1.4}
+    for decisive, dense_steps, steps, sizes in ((0.10, 4, 8 + 6 + 4 + 4, [8, 6, 4, 4]),
+                                                (0.0, 8, 8 + 3 * 6, [8, 6, 6, 6])):
+        t = Autotuner(steps_per_trial=2, trials=3, decisive=decisive)
+        agreed = []
+        rules = drive(t, lambda r, s: cost[r], 36, agreed=agreed)
+        assert rules[:14] == ["dense", "dense", "a", "a", "b", "b", "c", "c",
+                              "dense", "dense", "a", "a", "b", "b"]
+        assert rules[:steps].count("dense") == dense_steps, (decisive, rules)
+        assert [len(v) for v in agreed] == sizes
+        assert t.locked and t.decision == "a" and t.tuning_steps == steps
+        assert rules[steps:] == ["a"] * (36 - steps)
+        # dense keeps its samples (the table, the watchdog's runner-up is dense)
+        assert dict((r, n) for r, _, n in t.table)["dense"] == dense_steps // 2
+        assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:steps]) - steps * 0.5)
+    # a live rule within the decisive margin of dense (b) keeps dense in every round: a beats
+    # dense by more than 10%, b by less, and a and b are within 10% of each other (no early
+    # lock either); a little noise does not change that
+    rng = random.Random(5)
+    t = Autotuner(steps_per_trial=2, trials=2)
+    rules = drive(t, lambda r, s: {"dense": 1.0, "a": 0.86, "b": 0.93}[r] * (1 + rng.uniform(-0.01, 0.01)), 40)
+    assert t.decision == "a" and t.tuning_steps == 4 * 6
+    assert rules[:24] == ["dense", "dense", "a", "a", "b", "b"] * 4
 
 
 def test_a_decisive_result_locks_from_round_two():
@@ -57,7 +86,7 @@ def test_a_decisive_result_locks_from_round_two():
     # a second winner within 10% of the best keeps the phase open until min_rounds
     t = Autotuner(steps_per_trial=2, trials=2)
     drive(t, lambda r, s: {"dense": 1.0, "a": 0.6, "b": 0.64}[r], 40)
-    assert t.decision == "a" and t.tuning_steps == 4 * 6
+    assert t.decision == "a" and t.tuning_steps == 2 * 6 + 2 * 4  # dense retired after round 2
     # and so does a best that beats dense by less than the decisive margin
     t = Autotuner(steps_per_trial=2, trials=1)
     drive(t, lambda r, s: {"dense": 1.0, "a": 0.93}[r], 40)
