@@ -67,7 +67,7 @@ Example::
 .. warning::
     ``retune()`` must be called on every rank before the same step.
 
-Why one module of ~390 lines: the trial rounds, the decision rules, the watchdog and their
+Why one module of ~500 lines: the trial rounds, the decision rules, the watchdog and their
 checkpointing share one schedule (step -> rule) that must be identical on every rank.
 """
 
@@ -147,7 +147,8 @@ class Autotuner:
         tie: winners whose mean step is within this fraction of the fastest one's (or within
             twice it and inside 3 standard errors) are a tie, decided by ``preference``.
         decisive: the separation (fraction of a step) between every sample of two rules that
-            settles them before ``min_rounds`` (from round 2 on); 0 turns the early lock off.
+            settles them before ``min_rounds`` (from round 2 on): the early lock, and dense's
+            retirement from the trial rounds; 0 turns both off.
 
     Attributes:
         preference: ``None`` (the trial order) or ``fn(rule) -> sort key``: which of tied
@@ -307,7 +308,7 @@ class Autotuner:
             self._dense_retired = True
         live = [r for r in self._active if r != DENSE and r in keep]
         self._active = live if self._dense_retired else [DENSE] + live
-        used = sum(1 for _ in self._phase_steps)
+        used = len(self._phase_steps)
         next_round = len(self._active) * self.steps
         if (rounds >= self.min_rounds and not undecided) or early \
                 or used + next_round > self.max_steps or len(self._active) <= 1:

@@ -37,7 +37,7 @@ def test_rounds_are_interleaved_and_a_clear_winner_locks_after_min_rounds():
     assert [len(v) for v in agreed] == [8, 6, 6, 6]
     assert [(r, n) for r, _, n in t.table] == [("dense", 4), ("a", 4), ("b", 4), ("c", 1)]
     assert t.tuning_steps == 26
-    # the tuning cost is every tuning step's time beyond a's 0.5 s
+    # the tuning cost is every tuning step's time beyond a's 0.92 s
     assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:26]) - 26 * 0.92)
 
 
