@@ -182,6 +182,9 @@ def test_flush_owner_residual_offsets():
 
 
 # -- residuals when a bucket switches to dense: nothing is lost, nothing arrives in a burst ------
+LOCK = 9  # the first step of the locked dense plan in _conservation
+
+
 def _conservation(rank, world, alg):
     from comms.hook import RESIDUAL_DRAIN_STEPS
 
@@ -190,7 +193,9 @@ def _conservation(rank, world, alg):
                            timing=lambda rule, s: fake[rule], lr=0.0)
     replica = make_model()
     reduced, local, mem, owner = [], [], [], []
-    for step in range(6 + RESIDUAL_DRAIN_STEPS):  # start 1: dense 1-2, compressed 3-4, dense from 5
+    # start 1: dense 1-2, compressed 3-4, dense 5-6, compressed 7-8 (a rule is dropped after two
+    # samples), dense locked from LOCK
+    for step in range(LOCK + 1 + RESIDUAL_DRAIN_STEPS):
         x, y = batch(rank, step)
         model.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -216,20 +221,23 @@ def test_switch_to_dense_drains_residuals(alg):
     for o in out:
         # residual mass existed during the compressed trial; the algorithm's own store (two_phase's
         # owner residual) is flushed at the switch, the hook's residual leaves in k equal shares
-        assert o["mem"][4] > 1e-3 and o["owner"][5] == 0 and o["left"] == {}
+        last = LOCK - 1  # the last compressed trial step
+        assert o["mem"][last] > 1e-3 and o["owner"][LOCK] == 0 and o["left"] == {}
+        # a trial's dense steps keep the residual (compression comes back)
+        assert o["mem"][5] == o["mem"][6] == o["mem"][4] > 1e-3
         for i in range(k):
-            assert o["mem"][5 + i] == pytest.approx(o["mem"][4] * (k - 1 - i) / k, rel=1e-4, abs=1e-6)
-        assert o["mem"][5 + k - 1] == 0 and o["mem"][-1] == 0
+            assert o["mem"][LOCK + i] == pytest.approx(o["mem"][last] * (k - 1 - i) / k, rel=1e-4, abs=1e-6)
+        assert o["mem"][LOCK + k - 1] == 0 and o["mem"][-1] == 0
     true_avg = (out[0]["local"] + out[1]["local"]) / 2
     applied = out[0]["reduced"]
     # every bit of gradient sent over the whole run arrived: sum over steps is conserved
     torch.testing.assert_close(applied.sum(0), true_avg.sum(0), rtol=0, atol=2e-5)
     # ... and it would not be without the drain: the compressed steps alone lose mass
-    assert (applied[:5].sum(0) - true_avg[:5].sum(0)).abs().max() > 1e-3
+    assert (applied[:LOCK].sum(0) - true_avg[:LOCK].sum(0)).abs().max() > 1e-3
     # no burst: after the switch, each dense step carries at most its own gradient plus one
     # share of the residual (plus the owner flush at the switch step itself)
-    excess = (applied[6:5 + k] - true_avg[6:5 + k]).abs().sum(1)
-    share = sum(o["mem"][4] for o in out) / k  # residuals are in averaged units (x / world)
+    excess = (applied[LOCK + 1:LOCK + k] - true_avg[LOCK + 1:LOCK + k]).abs().sum(1)
+    share = sum(o["mem"][LOCK - 1] for o in out) / k  # residuals are in averaged units (x / world)
     assert float(excess.max()) <= share * 1.01 + 1e-5
 
 
