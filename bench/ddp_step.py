@@ -42,6 +42,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from comms.hook import RESIDUAL_DRAIN_STEPS  # noqa: E402
+
 __all__ = ["MODELS", "ResMLP", "StepRunner", "FloorRunner", "build_model", "interleaved_times", "make_batches",
            "measure", "main"]
 
@@ -243,6 +245,15 @@ class StepRunner:
         while self.tuner is not None and not self.tuner.locked and extra < MAX_TUNING_STEPS:
             self.step()
             extra += 1
+        # a dense lock adds the trials' error-feedback residuals back over the next
+        # RESIDUAL_DRAIN_STEPS steps (a pass over the bucket each): the end of tuning, not the
+        # steady state (the drain starts at the first locked step; every rank drains alike)
+        if self.tuner is not None and self.tuner.locked and self.state.memory.residuals:
+            self.step()
+            drained = 1
+            while self.state.memory.draining and drained <= RESIDUAL_DRAIN_STEPS:
+                self.step()
+                drained += 1
 
     def tunings(self) -> int:
         """Trial phases the autotuner ran so far (0 without one)."""
