@@ -8,8 +8,8 @@ step, agrees on the timings across ranks after each round (one small allgather, 
 and decides when **the data decides**:
 
 * a rule whose every sample is slower than every dense sample is dropped — from round 2, two
-  samples each at least: one stalled step must not end a plan's trial (at 10 Gb/s a single
-  +30% step did, for a top-k plan 10% faster than dense, in 3 of 5 tunings);
+  samples each at least: one slow step must not end a plan's trial (at 10 Gb/s one slow
+  round-1 sample did, for a top-k plan 10% faster than dense, in 4 of 5 tunings);
 * a compressed rule *wins* when its median beats dense's by ``prefer_dense`` (3%) and by
   :data:`MIN_GAIN_S`, and either every one of its samples is faster than every dense sample
   with a mean gain beyond 3 standard errors of the difference (the measured step-to-step
