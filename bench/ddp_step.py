@@ -263,7 +263,7 @@ class StepRunner:
         """The row of these measured steps (seconds on this rank; the max over ranks is taken
         here: a step is as slow as its slowest rank). Collective: every rank calls it."""
         args, world, cfg, tuner = self.args, self.world, self.cfg, self.tuner
-        step_ms, p90_ms = _max_over_ranks_ms(times)
+        step_ms, p90_ms, per_step = _max_over_ranks_ms(times)
         params = [p for p in self.model.parameters() if p.requires_grad]
         wire_b = wire.config_wire_bytes(cfg, self.state, params, world)
         sizes = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))
@@ -273,7 +273,7 @@ class StepRunner:
                "buckets": len([b for b in sizes.split(",") if b.strip()]) or None,
                "tuned": (f"{tuner.tuning_steps}" + ("" if tuner.locked else " (not locked)"))
                if tuner is not None else None,
-               "step_ms": step_ms, "p90_ms": p90_ms,
+               "step_ms": step_ms, "p90_ms": p90_ms, "times_ms": per_step,
                "wire_bytes": wire_b, "wire_MB": wire_b / 1e6 if wire_b else None,
                "loss": float(self.loss.detach())}
         if args.codec:
@@ -306,17 +306,19 @@ class FloorRunner(StepRunner):
             self.step()
 
     def row(self, times: list[float]) -> dict:
-        step_ms, p90_ms = _max_over_ranks_ms(times)
-        return {"hook": FLOOR, "algorithm": "none", "step_ms": step_ms, "p90_ms": p90_ms,
+        step_ms, p90_ms, per_step = _max_over_ranks_ms(times)
+        return {"hook": FLOOR, "algorithm": "none", "step_ms": step_ms, "p90_ms": p90_ms, "times_ms": per_step,
                 "wire_bytes": None, "wire_MB": None}
 
 
-def _max_over_ranks_ms(times: list[float]) -> tuple[float, float]:
-    """Median and p90 step (ms) of the per-step max over ranks (collective)."""
+def _max_over_ranks_ms(times: list[float]) -> tuple[float, float, list[float]]:
+    """Median and p90 step (ms) of the per-step max over ranks, and those per-step maxima (ms,
+    in step order: ``--json`` keeps them) (collective)."""
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    ts = sorted(t.tolist())
-    return 1e3 * statistics.median(ts), 1e3 * ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)]
+    per_step = [1e3 * v for v in t.tolist()]
+    ts = sorted(per_step)
+    return statistics.median(ts), ts[min(len(ts) - 1, math.ceil(0.9 * len(ts)) - 1)], per_step
 
 
 def interleaved_times(runners: list, steps: int, block: int) -> list[list[float]]:

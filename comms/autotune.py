@@ -15,14 +15,27 @@ and decides when **the data decides**:
   with a mean gain beyond 3 standard errors of the difference (the measured step-to-step
   noise), or, from :data:`RANK_MIN_SAMPLES` (6) samples each, its samples are faster in at
   least :data:`RANK_WIN` (85%) of all pairs with dense's (a rank test a stray step cannot
-  overturn; before it, a plan 15% faster than dense over 9 samples each lost to one overlap);
+  overturn; before it, a plan 15% faster than dense over 9 samples each lost to one overlap),
+  or, from :data:`PAIRED_MIN_ROUNDS` (4) rounds, **paired by round**: the mean of
+  ``log(rule / dense)`` over the rounds that timed both (seconds apart, so the load both
+  saw cancels) is below ``log(1 - prefer_dense)`` and :data:`PAIRED_T` (4) standard errors
+  below 0. At 10 Gb/s, 2 ranks, the steps of two interleaved plans correlate by ~0.5 on this
+  VM (per-step spread ~10%; paired log-ratio spread 8.3% where the unpaired difference has
+  12.7%), so the paired test tells a 10% faster plan in 40 steps where the unpaired ones
+  often cannot (bench/results/autotune_noise_10gbit_s17.md). 4 standard errors, not 3: under
+  independent +-20% noise (nothing to pair) 3 locked an equal plan in 22 of 400 tunings;
   tuning stops when no undecided rule is left after at least
   ``min_rounds`` (4) rounds, or when the
   next round would exceed ``max_steps`` (default 40 steps): then the fastest *winning* rule is
   locked, and dense when none won — an unclear result never compresses. Simulated with
   three candidates as fast as dense and +-20% uniform step noise, at most 4 of 100 seeded
   tunings may lock a compressed rule (tests/unit/test_autotuner_rules.py; 8 of 400 measured
-  with the rank test, 1 of 400 before it and the round-2 drop);
+  with the rank test, 1 of 400 before it and the round-2 drop; 10 of 400 with the paired
+  test). Replaying measured 10 Gb/s step times (each round drawn from 60 interleaved blocks
+  of dense and qsgd4 allgather, 400 tunings each, two or three candidates): a candidate as
+  fast as dense is locked in 0.5-0.75% of the tunings (0.25% without the paired test), one
+  3% slower in 0.25-0.5%, one 6.7% faster in 29-40% (20-22%), one 10% faster in 71-75%
+  (53%), one 12% faster in 92% (82%);
 * **a decisive result stops earlier**: from round 2 on, when the fastest winner's every
   sample beats every dense sample by ``decisive`` (10%) and every other rule is dropped or
   has every sample slower than every sample of that winner by ``decisive``, it is locked
@@ -88,7 +101,7 @@ from .algorithms import DENSE
 from .deadline import advice
 
 __all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S", "MAX_STEP_SECONDS",
-           "RANK_MIN_SAMPLES", "RANK_WIN"]
+           "PAIRED_MIN_ROUNDS", "PAIRED_T", "RANK_MIN_SAMPLES", "RANK_WIN"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +154,11 @@ RANK_MIN_SAMPLES = 6
 #: alone: 4 and 5); a plan 10% faster than dense under those stalls was locked in 183 of 200
 #: tunings (119 before), one 7% faster under +-5% noise in 198 of 200 (129)
 RANK_WIN = 0.85
+
+#: the paired test of :meth:`Autotuner._wins`: from this many rounds that timed both rules ...
+PAIRED_MIN_ROUNDS = 4
+#: ... the mean per-round ``log(rule / dense)`` must lie this many standard errors below 0
+PAIRED_T = 4.0
 
 
 def _faster_pairs(fast: list[float], slow: list[float]) -> float:
@@ -239,6 +257,7 @@ class Autotuner:
         self._dense_retired = False  # dense lost decisively: no more dense trial steps
         self._rounds = 0
         self._samples: dict[str, list[float]] = {}
+        self._by_round: dict[str, dict[int, list[float]]] = {}  # rule -> round -> its samples
         self._round: list[tuple[int, str, bool]] = []  # (step, rule, counted) of this round
         self._phase_steps: list[tuple[str, float]] = []  # agreed (rule, seconds) of the phase
         self._durations: dict[int, float] = {}
@@ -289,6 +308,7 @@ class Autotuner:
             self._phase_steps.append((r, v))
             if counted and math.isfinite(v):
                 self._samples[r].append(v)
+                self._by_round.setdefault(r, {}).setdefault(self._rounds, []).append(v)
         self._durations.clear()
         self._rounds += 1
         rounds = self._rounds
@@ -302,10 +322,10 @@ class Autotuner:
                 continue  # slower than every dense step, two samples each at least: dropped
             if dense and rounds >= self.min_rounds and min(s) > max(dense) * (1 - self.prefer_dense):
                 continue  # none of its steps beat dense by the margin: it cannot win
-            if not (dense and self._wins(s, dense)):
+            if not (dense and self._wins(r)):
                 undecided.append(r)
         winners = [r for r in self._active if r != DENSE and dense and self._samples[r]
-                   and self._wins(self._samples[r], dense)]
+                   and self._wins(r)]
         # between winners _pick decides; they stay in play while their ranges overlap or while
         # they are tied with the pick
         early = False
@@ -339,23 +359,42 @@ class Autotuner:
                 or used + next_round > self.max_steps or len(self._active) <= 1:
             self._lock(winners)
 
-    def _wins(self, s: list[float], dense: list[float]) -> bool:
-        """Its median beats dense's by the margins, and either every sample of ``s`` beats
+    def _wins(self, rule: str) -> bool:
+        """``rule``'s median beats dense's by the margins, and either every sample of it beats
         every dense sample with a mean gain beyond 3 standard errors of the difference (the
         measured step-to-step noise), or — from :data:`RANK_MIN_SAMPLES` samples each — at
-        least :data:`RANK_WIN` of all (s, dense) sample pairs have ``s`` faster (a rank test
-        that one stray step, a 100 ms stall, cannot overturn as it does the other two)."""
+        least :data:`RANK_WIN` of all (rule, dense) sample pairs have the rule faster (a rank
+        test that one stray step, a 100 ms stall, cannot overturn as it does the other two),
+        or — from :data:`PAIRED_MIN_ROUNDS` rounds that timed both — the paired test
+        (:meth:`_paired_wins`)."""
+        s, dense = self._samples[rule], self._samples[DENSE]
         d = statistics.median(dense)
         m = statistics.median(s)
         if not m < min(d * (1 - self.prefer_dense), d - MIN_GAIN_S):
             return False
         if min(len(s), len(dense)) >= RANK_MIN_SAMPLES and _faster_pairs(s, dense) >= RANK_WIN:
             return True
+        if self._paired_wins(rule):
+            return True
         if not max(s) < min(dense):
             return False
         if len(s) < 2 or len(dense) < 2:
             return True
         return statistics.fmean(dense) - statistics.fmean(s) > 3 * _stderr(s, dense)
+
+    def _paired_wins(self, rule: str) -> bool:
+        """Over the rounds that timed both ``rule`` and dense (at least
+        :data:`PAIRED_MIN_ROUNDS`), the per-round ``log(mean rule step / mean dense step)``
+        has its mean below ``log(1 - prefer_dense)`` and :data:`PAIRED_T` standard errors below
+        0. A round's steps are seconds apart: the load that moves both cancels in the ratio
+        (slow drifts of this shared machine that make the unpaired spread)."""
+        mine, dense = self._by_round.get(rule, {}), self._by_round.get(DENSE, {})
+        both = sorted(set(mine) & set(dense))
+        if len(both) < PAIRED_MIN_ROUNDS:
+            return False
+        x = [math.log(statistics.fmean(mine[k]) / statistics.fmean(dense[k])) for k in both]
+        mean = statistics.fmean(x)
+        return mean < math.log(1 - self.prefer_dense) and -mean > PAIRED_T * statistics.stdev(x) / math.sqrt(len(x))
 
     @staticmethod
     def _beats(fast: list[float], slow: list[float], margin: float) -> bool:
@@ -457,6 +496,7 @@ class Autotuner:
         self.trials = trials
         self._active = list(trials)
         self._samples = {r: [] for r in trials}
+        self._by_round = {}
         self.tunings += 1
         self._round = [(step + i * self.steps + j, r, j > 0)
                        for i, r in enumerate(self._active) for j in range(self.steps)]
