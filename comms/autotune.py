@@ -31,11 +31,10 @@ and decides when **the data decides**:
   three candidates as fast as dense and +-20% uniform step noise, at most 4 of 100 seeded
   tunings may lock a compressed rule (tests/unit/test_autotuner_rules.py; 8 of 400 measured
   with the rank test, 1 of 400 before it and the round-2 drop; 10 of 400 with the paired
-  test). Replaying measured 10 Gb/s step times (each round drawn from 60 interleaved blocks
-  of dense and qsgd4 allgather, 400 tunings each, two or three candidates): a candidate as
-  fast as dense is locked in 0.5-0.75% of the tunings (0.25% without the paired test), one
-  3% slower in 0.25-0.5%, one 6.7% faster in 29-40% (20-22%), one 10% faster in 71-75%
-  (53%), one 12% faster in 92% (82%);
+  test). Replayed on measured 10 Gb/s steps (``bench/autotune_replay.py``, 400 tunings per
+  row, a candidate ``a`` beside one 30% slower; bench/results/autotune_noise_10gbit_s17.md):
+  ``a`` as fast as dense is locked in 5 (1 without the paired test), 3% slower in 2 (1), 6.7%
+  faster in 161 (110), 10% faster in 299 (243), 12% faster in 369 (329);
 * **a decisive result stops earlier**: from round 2 on, when the fastest winner's every
   sample beats every dense sample by ``decisive`` (10%) and every other rule is dropped or
   has every sample slower than every sample of that winner by ``decisive``, it is locked

@@ -185,3 +185,26 @@ def test_time_to_quality_smoke(tmp_path):
     md = (tmp_path / "ttq.md").read_text()
     assert "--time-to-quality" in md and "Load: before" in md and "no-comm floor" in md
     assert (tmp_path / "ttq.png").stat().st_size > 1000
+
+
+def test_step_times_replay_through_the_autotuner(tmp_path):
+    # ddp_step --json keeps every counted step's time; autotune_replay runs the tuner's rules
+    # on them: a plan 60% faster than dense is locked in nearly every replayed tuning, one as
+    # fast as dense almost never (ms steps on loopback: the 1 ms minimum gain needs a wide gap)
+    import json
+    js = tmp_path / "t.json"
+    _run(["bench/ddp_step.py", "-n", "2", "--width", "512", "--depth", "3", "--steps", "8",
+          "--warmup", "3", "--hooks", "qsgd8@allgather,qsgd8@two_phase", "--interleave", "2",
+          "--no-floor", "--no-codec", "--no-lock", "--no-progress", "--json", str(js)])
+    rows = {r["hook"]: r for r in json.loads(js.read_text())["rows"]}
+    assert [len(rows[h]["times_ms"]) for h in ("dense", "qsgd8@allgather")] == [8, 8]
+    assert min(rows["dense"]["times_ms"]) > 0
+    out = _run(["bench/autotune_replay.py", str(js), "--gains", "0,0.6", "--tunings", "20"])
+    lines = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["measured"], ["uniform"])]
+    assert len(lines) == 8  # 2 noises x 2 gains x paired off/on
+    for noise, gain, paired, a, bc, dense, steps in lines:
+        assert int(a) + int(bc) + int(dense) == 20 and float(steps) <= 40
+        if gain == "0.600":
+            assert int(a) >= 18, lines
+        else:
+            assert int(a) + int(bc) <= 3, lines
