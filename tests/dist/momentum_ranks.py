@@ -82,12 +82,12 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
     ``algorithm``; without error feedback ``register(..., momentum=0.9)``) and record every velocity masking the hook does (``update_masked_`` and
     ``mask_velocity_``, compiled or torch): with an aggregate (the "held" rule) ``(u before,
     sent, aggregate, u after)`` under "held"; without one (DGC's rule) only a count under
-    "sent". Every ``update_returned_`` goes under "returned" as ``(x, sent, aggregate,
-    residual, u before, u after)``; "owner_residuals": buckets whose algorithm store holds an
+    "sent". Every ``update_returned_`` goes under "returned", keyed by ``(bucket, n-th call for
+    it)``, as ``(x, sent, aggregate, residual, u before, u after)``; "owner_residuals": buckets whose algorithm store holds an
     owner residual at the end."""
     from compressors import ErrorFeedback
 
-    calls: dict = {"held": [], "sent": 0, "depth": 0, "returned": []}
+    calls: dict = {"held": [], "sent": 0, "depth": 0, "returned": {}}
     update_masked, mask_velocity = ErrorFeedback.update_masked_, ErrorFeedback.mask_velocity_
     update_returned = ErrorFeedback.update_returned_
 
@@ -96,8 +96,11 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
         before = None if u is None else u.clone()
         x0 = x.clone()
         r = update_returned(self, bucket, x, sent, aggregate)
-        calls["returned"].append((x0, sent.clone(), aggregate.clone(), r.clone(), before,
-                                  None if u is None else u.clone()))
+        # keyed by bucket and its n-th call: the buckets' callbacks run in whatever order their
+        # collectives complete, which differs between ranks
+        n = sum(1 for key in calls["returned"] if key[0] == bucket)
+        calls["returned"][(bucket, n)] = (x0, sent.clone(), aggregate.clone(), r.clone(), before,
+                                          None if u is None else u.clone())
         return r
 
     def recorded(call, self, bucket, sent, aggregate):

@@ -100,7 +100,7 @@ def test_masking_only_where_the_aggregate_held_back(algorithm):
     re-compression kept it), and kept where what was sent arrived."""
     out = spawn(momentum_ranks.masking_calls, 2, algorithm, 4, False, timeout=100)
     for calls in out:
-        assert calls["sent"] == 0 and calls["returned"] == []  # DGC's rule never runs by default
+        assert calls["sent"] == 0 and calls["returned"] == {}  # DGC's rule never runs by default
         if algorithm == "allgather":
             assert calls["held"] == []
             continue
@@ -130,7 +130,11 @@ def test_two_phase_sparsifier_gives_back_what_the_owner_left_out(world):
         assert calls["held"] == [] and calls["sent"] == 0 and calls["owner_residuals"] == 0
         assert len(calls["returned"]) >= 4
     n_returned = 0
-    for k, per_rank in enumerate(zip(*(c["returned"] for c in out))):
+    keys = sorted(out[0]["returned"], key=str)
+    for calls in out:  # every rank ran the same buckets the same number of times
+        assert sorted(calls["returned"], key=str) == keys
+    for k in keys:
+        per_rank = [calls["returned"][k] for calls in out]
         agg = per_rank[0][2]
         delivered = torch.zeros_like(agg, dtype=torch.float64)
         for x, sent, agg_r, r, before, after in per_rank:
