@@ -10,7 +10,7 @@ import torch
 
 from .deadline import clean_message
 
-__all__ = ["completed", "guarded", "when_all"]
+__all__ = ["completed", "device_future", "guarded", "when_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +20,20 @@ def completed(value: Any) -> torch.futures.Future:
     fut = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+def device_future(value: Any) -> torch.futures.Future:
+    """An empty future for ``value``: CUDA-aware when ``value`` is a CUDA tensor.
+
+    A plain ``torch.futures.Future`` completed from a done-callback carries no CUDA events:
+    whoever waits on it (DDP) would read the tensor on its own stream before the kernels the
+    hook ran on other streams are done; on an H200 that changed results from run to run and
+    broke replica identity. With ``devices``, ``set_result`` records an event on the current
+    stream and ``wait()`` makes the waiter's stream wait for it.
+    """
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        return torch.futures.Future(devices=[value.device])
+    return torch.futures.Future()
 
 
 def guarded(fut: torch.futures.Future, where: str) -> torch.futures.Future:
@@ -41,7 +55,7 @@ def when_all(futs, value) -> torch.futures.Future:
 
     Not ``torch.futures.collect_all``: it completes at the first error, before the other
     futures are done."""
-    out = torch.futures.Future()
+    out = device_future(value)
     left = [len(futs)]
     lock = threading.Lock()  # callbacks may run on several collective threads at once
 
@@ -52,7 +66,7 @@ def when_all(futs, value) -> torch.futures.Future:
         if last:
             try:
                 for f in futs:
-                    f.value()
+                    f.wait()  # on CUDA: this thread's stream waits for each future's work
                 out.set_result(value)
             except BaseException as exc:  # noqa: BLE001 - forwarded to DDP
                 out.set_exception(exc)

@@ -27,7 +27,7 @@ import time
 
 from .deadline import HEARTBEAT, WATCHDOG, CollectiveTimeout, advice, fail, failure, timeout_error, wait
 from .errors import where
-from .futures import guarded
+from .futures import device_future, guarded
 
 __all__ = ["StepFlags", "PendingBucket"]
 
@@ -46,7 +46,7 @@ class PendingBucket:
         self.bucket, self.step, self.flag, self.x, self.fut = bucket, step, flag, x, fut
         self.scatter = scatter
         self.what = what or f"commpress: collective of bucket {bucket} at step {step}"
-        self.result = torch.futures.Future()
+        self.result = device_future(x)
 
 
 class StepFlags:
@@ -155,7 +155,9 @@ def _expire(pending: list[PendingBucket], flags_fut, flags_what: str, timeout: f
 def _settle(p: PendingBucket, i: int, flags_fut, on_nonfinite) -> None:
     try:
         try:
-            x = p.fut.value()
+            # wait(), not value(): on CUDA it also makes this thread's stream wait for the work
+            # the chain ran on its own streams (the fill_/scatter below and DDP's read follow it)
+            x = p.fut.wait()
         except Exception as exc:  # noqa: BLE001
             if "did not complete within" not in str(exc):
                 # once a peer is gone gloo can hand back garbage instead of an error, and the

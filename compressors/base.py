@@ -226,15 +226,26 @@ class Workspace:
     compressor may overlap) and grow to the largest size requested. They never leave the
     compressor: payloads and decoded outputs returned to callers are fresh tensors (or the
     caller's own ``out``). Copying or pickling a compressor gives it an empty workspace.
+
+    .. warning::
+        Only CPU buffers are reused. On CUDA one thread runs DDP's future callbacks on
+        different streams (each ``then`` callback gets a pool stream), so a reused buffer would
+        be written on one stream while a kernel on another still reads it; on an H200 that
+        changed the averaged gradient from run to run. torch's caching allocator already
+        reuses memory per stream, and a fresh CUDA tensor costs no page faults.
     """
 
     def __init__(self):
         self._local = threading.local()
 
     def get(self, name: str, n: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """A 1-D buffer of ``n`` elements (contents undefined), reused by later calls."""
+        """A 1-D buffer of ``n`` elements (contents undefined), reused by later calls on CPU;
+        fresh from torch's caching allocator on other devices (see the class warning)."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            return torch.empty(max(n, 1), dtype=dtype, device=device)[:n]
         bufs = self._local.__dict__.setdefault("bufs", {})
-        key = (name, dtype, torch.device(device))
+        key = (name, dtype, device)
         buf = bufs.get(key)
         if buf is None or buf.numel() < n:
             buf = torch.empty(max(n, 1), dtype=dtype, device=device)
@@ -242,7 +253,10 @@ class Workspace:
         return buf[:n]
 
     def iota(self, n: int, device) -> torch.Tensor:
-        """``arange(n)`` int32, computed once per thread and device, then reused (read only)."""
+        """``arange(n)`` int32, computed once per thread on CPU, then reused (read only); fresh
+        on other devices."""
+        if torch.device(device).type != "cpu":
+            return torch.arange(max(n, 1), dtype=torch.int32, device=device)[:n]
         bufs = self._local.__dict__.setdefault("bufs", {})
         key = ("<iota>", torch.int32, torch.device(device))
         buf = bufs.get(key)
@@ -640,6 +654,10 @@ class ScaledCodesDecoder(Compressor):
         segs = self._segments(ctx)
         if segs is not None:
             self._segmented_decode(payload, ctx, segs, out.view(-1), False)
+            return out
+        if out.is_cuda and payload[1].is_cuda and \
+                (dec := type(self)._cuda_decompress(self, payload, ctx)) is not None:
+            out.view(-1).copy_(dec)  # the kernels' bits; error feedback decodes its own payload here
             return out
         self._decode(payload, ctx, out.view(-1), accumulate=False)
         return out

@@ -41,7 +41,6 @@ _MASK4 = torch.tensor(0x0F0F, dtype=torch.int16)
 _MASK2 = torch.tensor(0x03030303, dtype=torch.int32)
 _SPREAD1 = torch.tensor(0x0101010101010101, dtype=torch.int64)  # p -> p in every byte
 _MASK1 = torch.tensor(0x8040201008040201 - (1 << 64), dtype=torch.int64)  # byte j keeps bit j
-_ONE_U8 = torch.tensor(1, dtype=torch.uint8)
 
 
 def check_bits(bits) -> int:
@@ -148,7 +147,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = N
             o.mul_(_SPREAD1).bitwise_and_(_MASK1)
         ob = o.view(torch.uint8)
         if bits == 1:
-            ob.clamp_max_(_ONE_U8)
+            ob.clamp_max_(1)  # a Python bound: clamp takes no CPU tensor bound on CUDA
         if ob.data_ptr() != dst.data_ptr():
             dst.copy_(ob)
     rem = n - full * per

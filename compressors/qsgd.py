@@ -41,7 +41,6 @@ __all__ = ["QSGD", "chunk_absmax"]
 
 logger = logging.getLogger(__name__)
 
-_ZERO = torch.tensor(0.0)
 #: default elements per scale by bit width (others: 2048); see QSGD's ``chunk``
 DEFAULT_CHUNK = {4: 256}
 _CPU_BLOCK = 1 << 19
@@ -272,7 +271,8 @@ class QSGD(ScaledCodesDecoder):
             on[~(sn > 0)] = 0.0
             return out
         torch.div(half, s, out=out)
-        return torch.where(s > 0, out, _ZERO, out=out)
+        # not where(s > 0, out, cpu_zero): the bound must live on out's device (CUDA)
+        return out.masked_fill_(~(s > 0), 0.0)
 
     # -- decode -------------------------------------------------------------------------
     def _steps(self, s: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,10 @@
 Sources are found through :mod:`importlib.resources`: an installed wheel carries them as
 ``compressors/_csrc/`` (pyproject force-include ``"csrc" = "compressors/_csrc"``); a source
 checkout falls back to ``<repo>/csrc``. ``common.cuh`` and every ``*.cu`` file are compiled as
-ONE NVRTC translation unit per device (:data:`NVRTC_OPTIONS`: ``--fmad=false`` so no multiply-add
-is contracted into an FMA, which would change the bits against the torch reference), memoised.
+ONE NVRTC translation unit per device, by NVRTC itself (:func:`compile_module`), with
+:data:`NVRTC_OPTIONS`: ``--fmad=false`` so no multiply-add is contracted into an FMA, which would
+change the bits against the torch reference; ``--ftz=false`` and IEEE division and square root
+stated, because a subnormal scale must survive as it does on the CPU. Memoised per device.
 
 Tensors cross with ``cupy.from_dlpack`` (no copy; fp16/bf16 are viewed as int16 because CuPy
 has no bfloat16) and kernels are launched on ``cupy.cuda.Stream.from_external`` of torch's
@@ -25,23 +27,25 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.resources
 import logging
 import os
+import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 __all__ = [
-    "NVRTC_OPTIONS", "HEADER", "BLOCK", "source_root", "kernel_files", "load_source", "available",
+    "NVRTC_OPTIONS", "HEADER", "compile_module", "BLOCK", "source_root", "kernel_files", "load_source", "available",
     "get_kernel", "current_stream", "as_cupy", "launch", "grid_for", "static_shared_bytes", "reset",
 ]
 
 logger = logging.getLogger(__name__)
 
-NVRTC_OPTIONS = ("--fmad=false", "-std=c++17")
+NVRTC_OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "-std=c++17")
 HEADER = "common.cuh"
 BLOCK = 256  # threads per block for every kernel (a multiple of 32, as the kernels require)
 _ENV_SWITCH = "COMMPRESS_CUDA_KERNELS"
@@ -88,6 +92,61 @@ def _enabled() -> bool:
     return os.environ.get(_ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _nvrtc():
+    from cupy_backends.cuda.libs import nvrtc  # CuPy's own NVRTC bindings
+
+    return nvrtc
+
+
+def compile_module(index: int) -> Path:
+    """Compile :func:`load_source` with :data:`NVRTC_OPTIONS` for device ``index`` and return
+    the path of the binary (a cubin for ``sm_XY``; PTX for ``compute_XY`` where this NVRTC does
+    not know the chip), cached by a hash of source, options and target.
+
+    NVRTC is called directly, not through ``cupy.RawModule(code=...)``: CuPy appends
+    ``-ftz=true`` to every option list it compiles and NVRTC honours the last occurrence, so
+    subnormal inputs and scales would flush to zero on the GPU (a scale of 2.5e-44 came back 0
+    on an H200) while the torch reference keeps them: the bits would differ.
+    """
+    cp = _cupy()
+    nvrtc = _nvrtc()
+    cc = cp.cuda.Device(index).compute_capability  # e.g. "90"
+    src = load_source()
+    cache = Path(os.environ.get("COMMPRESS_KERNEL_CACHE")
+                 or Path(tempfile.gettempdir()) / f"commpress-kernels-{os.getuid()}")
+    cache.mkdir(parents=True, exist_ok=True)
+    targets = []
+    for target, ext in ((f"-arch=sm_{cc}", "cubin"), (f"-arch=compute_{cc}", "ptx")):
+        options = list(NVRTC_OPTIONS) + [target]
+        key = hashlib.sha256("\0".join([src, *options, str(nvrtc.getVersion())]).encode()).hexdigest()[:24]
+        targets.append((target, ext, options, cache / f"commpress-{key}.{ext}"))
+    for *_, path in targets:
+        if path.exists():
+            return path
+    errors = []
+    for target, ext, options, path in targets:
+        prog = nvrtc.createProgram(src, "commpress.cu", (), ())
+        try:
+            nvrtc.compileProgram(prog, options)
+            binary = nvrtc.getCUBIN(prog) if ext == "cubin" else nvrtc.getPTX(prog)
+        except Exception as e:  # an unknown sm_ target, or a compile error (then both fail)
+            try:
+                log = nvrtc.getProgramLog(prog)
+            except Exception:
+                log = ""
+            errors.append(f"{target}: {type(e).__name__}: {e}\n{log}")
+            continue
+        finally:
+            nvrtc.destroyProgram(prog)
+        if isinstance(binary, str):
+            binary = binary.encode()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(binary)
+        os.replace(tmp, path)  # atomic: a concurrent rank reads a whole file or none
+        return path
+    raise RuntimeError("NVRTC could not compile the csrc kernels:\n" + "\n".join(errors))
+
+
 def _module(index: int):
     mod = _modules.get(index)
     if mod is None:
@@ -101,8 +160,8 @@ def _module(index: int):
                     # whose current device is still 0 would otherwise load it (and create a
                     # context) on GPU 0 for a tensor on GPU `index`
                     with cp.cuda.Device(index):
-                        mod = cp.RawModule(code=load_source(), options=NVRTC_OPTIONS)
-                        mod.get_function("pack_bits")  # compile now, so failures surface here
+                        mod = cp.RawModule(path=str(compile_module(index)))
+                        mod.get_function("pack_bits")  # load now, so failures surface here
                 except Exception as e:  # no NVRTC, no driver, compile error: the torch path runs
                     logger.warning("CUDA kernels unavailable on device %d (%s: %s); using torch ops",
                                    index, type(e).__name__, e)

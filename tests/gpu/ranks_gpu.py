@@ -47,7 +47,8 @@ def train_cuda(rank, spec, algorithm, steps=8, kernels=True, device_index=0):
     dev = torch.device("cuda", device_index)
     torch.cuda.set_device(dev)
     model = DDP(make_model().to(dev), device_ids=[device_index], bucket_cap_mb=0.1)
-    comms.register(model, spec, algorithm=algorithm)
+    if spec is not None:  # None: plain DDP (no hook)
+        comms.register(model, spec, algorithm=algorithm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with LaunchCounter() as lc:
         for step in range(steps):

@@ -31,7 +31,8 @@ class FakeCupy:
                 cp.current = self.prev
 
         class RawModule:
-            def __init__(self, code, options):
+            def __init__(self, path):
+                self.path = path
                 self.loaded_on = []
 
             def get_function(self, name):
@@ -54,6 +55,7 @@ def fake(monkeypatch):
     cp = FakeCupy()
     loader.reset()
     monkeypatch.setattr(loader, "_cupy", lambda: cp)
+    monkeypatch.setattr(loader, "compile_module", lambda index: f"/cache/commpress-{index}.cubin")
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda index=None: types.SimpleNamespace(cuda_stream=0, device_index=index))
     yield cp
@@ -134,6 +136,7 @@ def test_gpu_suite_fails_instead_of_skipping_on_a_compile_error(monkeypatch):
     cp = FakeCupy(fail_compile=True)
     loader.reset()
     monkeypatch.setattr(loader, "_cupy", lambda: cp)
+    monkeypatch.setattr(loader, "compile_module", lambda index: f"/cache/commpress-{index}.cubin")
     try:
         status, why = gh.kernel_status()
         assert status == "fail" and "identifier 'oops' is undefined" in why
@@ -148,3 +151,54 @@ def test_gpu_suite_fails_instead_of_skipping_on_a_compile_error(monkeypatch):
         assert gh.kernel_status()[0] == "skip"
     finally:
         loader.reset()
+
+
+class FakeNvrtc:
+    """Records each compile's options; ``sm_`` targets fail when ``knows_sm`` is False."""
+
+    def __init__(self, knows_sm=True):
+        self.knows_sm, self.compiles = knows_sm, []
+
+    def getVersion(self):
+        return (13, 0)
+
+    def createProgram(self, src, name, headers, include_names):
+        return object()
+
+    def compileProgram(self, prog, options):
+        self.compiles.append(list(options))
+        if not self.knows_sm and any(o.startswith("-arch=sm_") for o in options):
+            raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture")
+
+    def getCUBIN(self, prog):
+        return b"cubin"
+
+    def getPTX(self, prog):
+        return b"ptx"
+
+    def getProgramLog(self, prog):
+        return ""
+
+    def destroyProgram(self, prog):
+        pass
+
+
+@pytest.mark.parametrize("knows_sm", [True, False])
+def test_compile_module_calls_nvrtc_itself_without_flush_to_zero(monkeypatch, tmp_path, knows_sm):
+    # CuPy's RawModule(code=...) appends -ftz=true after the caller's options (NVRTC takes the
+    # last): subnormal scales flushed to 0 on an H200. The loader compiles with NVRTC itself.
+    nv = FakeNvrtc(knows_sm)
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda index: types.SimpleNamespace(compute_capability="90")))
+    monkeypatch.setattr(loader, "_cupy", lambda: cp)
+    monkeypatch.setattr(loader, "_nvrtc", lambda: nv)
+    monkeypatch.setenv("COMMPRESS_KERNEL_CACHE", str(tmp_path))
+    path = loader.compile_module(0)
+    opts = nv.compiles[-1]
+    assert opts[:len(loader.NVRTC_OPTIONS)] == list(loader.NVRTC_OPTIONS)
+    assert "--ftz=false" in opts and not any(o in ("-ftz=true", "--ftz=true") for o in opts)
+    assert "--fmad=false" in opts
+    want = ("cubin", b"cubin", "-arch=sm_90") if knows_sm else ("ptx", b"ptx", "-arch=compute_90")
+    assert path.suffix == "." + want[0] and path.read_bytes() == want[1] and opts[-1] == want[2]
+    n = len(nv.compiles)
+    assert loader.compile_module(0) == path and len(nv.compiles) == n  # cached: no second compile
