@@ -51,3 +51,16 @@ def test_two_gloo_ranks_sharing_the_gpu_keep_replicas_identical():
         # and the replicas are the reference's, not merely equal to each other
         assert torch.equal(r0["params"], ref[0][i]["params"]), f"{spec}/{alg}: kernels differ from the torch path"
         assert torch.isfinite(r0["params"]).all()
+
+
+def test_kernel_path_gives_the_same_bits_in_every_run():
+    """Two runs of the same training give the same bits: the futures DDP waits on carry the CUDA
+    events of the streams the hook's callbacks ran on (before 82c0e2c a plain Future did not: the
+    results changed from run to run and two_phase replicas differed in 1 run of 3 on an H200)."""
+    cases = [("qsgd:bits=4", "allgather"), ("qsgd:bits=8,align=flat", "two_phase")]
+    runs = [spawn(gloo_ranks_on_one_gpu, 2, cases, timeout=280) for _ in range(2)]
+    for i, (spec, alg) in enumerate(cases):
+        a, b = runs[0][0][i]["params"], runs[1][0][i]["params"]
+        assert torch.equal(a, b), f"{spec}/{alg}: two runs of the same training differ"
+        for run in runs:
+            assert torch.equal(run[0][i]["params"], run[1][i]["params"]), f"{spec}/{alg}: replicas differ"
