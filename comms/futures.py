@@ -10,7 +10,7 @@ import torch
 
 from .deadline import clean_message
 
-__all__ = ["completed", "device_future", "guarded", "when_all"]
+__all__ = ["completed", "device_future", "guarded", "stream_mark", "wait_mark", "when_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,27 @@ def device_future(value: Any) -> torch.futures.Future:
     if isinstance(value, torch.Tensor) and value.is_cuda:
         return torch.futures.Future(devices=[value.device])
     return torch.futures.Future()
+
+
+def stream_mark(t: torch.Tensor):
+    """A CUDA event recorded now on the current stream of ``t``'s device (``None`` on CPU).
+
+    The hook enqueues work on its own stream while a collective is in flight (the residual
+    ``x - own``, this rank's decoded share), and the collective's ``then`` callback runs on
+    another stream: it must :func:`wait_mark` before it writes the aggregate into ``x``, or
+    the residual may read the aggregate instead of the gradient. GPU-side only: no host sync.
+    """
+    if not t.is_cuda:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
+def wait_mark(mark, t: torch.Tensor) -> None:
+    """Make the current stream of ``t``'s device wait for ``mark`` (no-op for ``None``)."""
+    if mark is not None:
+        torch.cuda.current_stream(t.device).wait_event(mark)
 
 
 def guarded(fut: torch.futures.Future, where: str) -> torch.futures.Future:

@@ -23,7 +23,7 @@ from compressors.base import Deferred, materialized
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
 from .deadline import clean_message, failure
 from .errors import where
-from .futures import completed, guarded, when_all
+from .futures import completed, guarded, stream_mark, wait_mark, when_all
 from .state import CompressionState
 from .stats import record_call
 
@@ -199,6 +199,9 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
         # here it would reach backward() bare ("index out of range in self")
         raise _round_failure(what, exc) from None
+    # CUDA: what this thread enqueued while the payload is on the wire (on_own's residual, the
+    # own decode) must finish before the callback, on another stream, writes into x
+    in_flight = stream_mark(x)
 
     def finish(f):
         try:
@@ -206,6 +209,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
+        wait_mark(in_flight, x)
         if give_back:  # before the aggregate goes into x
             own, total = materialized(own), materialized(total)
             if mask:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from comms.futures import device_future, when_all
+from comms.futures import device_future, stream_mark, wait_mark, when_all
 
 
 def test_device_future_of_a_cpu_value_is_a_plain_future():
@@ -28,3 +28,10 @@ def test_when_all_gives_the_value_after_every_future_and_the_first_error():
     d.set_result(0)
     with pytest.raises(RuntimeError, match="collective 1 failed"):
         out.wait()
+
+
+def test_stream_marks_are_nothing_on_cpu():
+    x = torch.zeros(3)
+    mark = stream_mark(x)
+    assert mark is None
+    wait_mark(mark, x)  # a no-op, no error
