@@ -656,9 +656,8 @@ class ScaledCodesDecoder(Compressor):
             self._segmented_decode(payload, ctx, segs, out.view(-1), False)
             return out
         if out.is_cuda and payload[1].is_cuda and \
-                (dec := type(self)._cuda_decompress(self, payload, ctx)) is not None:
-            out.view(-1).copy_(dec)  # the kernels' bits; error feedback decodes its own payload here
-            return out
+                type(self)._cuda_decompress(self, payload, ctx, out.view(-1)) is not None:
+            return out  # the kernels' bits, decoded in place (error feedback's own decode)
         self._decode(payload, ctx, out.view(-1), accumulate=False)
         return out
 

@@ -55,6 +55,8 @@ def two_phase_qsgd_owner(compressor, recv, world, m, ctx2, residual_in=None, res
     stream; writes ``residual_out`` when given. Returns the owner payload or None."""
     if getattr(compressor, "name", None) != "qsgd" or ctx2.dtype != torch.float32:
         return None
+    if compressor._segments(ctx2) is not None:
+        return None  # tensor-aligned pieces: per-piece scales and streams, not one flat payload
     bits, chunk = compressor.bits, compressor.chunk
     nch = -(-m // chunk)
     seg = 4 * nch + (m * bits + 7) // 8

@@ -269,12 +269,9 @@ def _two_phase(comm, compressor, x, ctx, store, deferred=False, on_own=None, ret
     ctx2 = chunk_context(ctx, world, 2, rank, rank)
     use_ef = _owner_ef(compressor) and not return_held
     # CUDA + QSGD: one fused kernel reads every rank's chunk once, sums in rank order and
-    # re-quantizes (same bits as the torch path below) when every chunk payload is one flat
-    # stream (a one-tensor chunk, or align="flat"); None: not applicable here
-    segments = getattr(compressor, "_segments", None)
-    flat = segments is None or segments(ctx2) is None
+    # re-quantizes (same bits as the torch path below); None: not applicable here
     p2 = (cuda_dispatch.two_phase_qsgd_owner(compressor, recv, world, m, ctx2)
-          if recv.is_cuda and not use_ef and len(set(layout.chunks)) == 1 and flat else None)
+          if recv.is_cuda and not use_ef and len(set(layout.chunks)) == 1 else None)
     if p2 is None:
         acc = decode_sum(compressor, recv, layout, nb, nb, ctx, world, rank)
         del recv

@@ -77,12 +77,20 @@ def _qsgd_payload_ok(payload, ctx, compressor) -> bool:
             and packed.numel() >= (n * compressor.bits + 7) // 8)
 
 
-def qsgd_decompress(compressor, payload, ctx):
-    """``QSGD.decompress`` (true-division decode step, see the module warning), or None."""
-    if ctx.dtype not in kernels.DTYPE_CODE or not _qsgd_payload_ok(payload, ctx, compressor):
+def _out_ok(out, payload, ctx) -> bool:
+    return out is None or (out.dtype == ctx.dtype and out.numel() == ctx.numel
+                           and enabled_for(out, payload[0]))
+
+
+def qsgd_decompress(compressor, payload, ctx, out=None):
+    """``QSGD.decompress`` (true-division decode step, see the module warning), or None; with
+    ``out`` (flat, ``ctx.dtype``), written into it."""
+    if (ctx.dtype not in kernels.DTYPE_CODE or not _qsgd_payload_ok(payload, ctx, compressor)
+            or not _out_ok(out, payload, ctx)):
         return None
     s, packed = payload
-    return kernels.qsgd_decompress(s, packed, compressor.bits, compressor.chunk, ctx.numel, ctx.dtype)
+    return kernels.qsgd_decompress(s, packed, compressor.bits, compressor.chunk, ctx.numel, ctx.dtype,
+                                   out=out)
 
 
 def qsgd_decompress_add_(compressor, payload, ctx, acc):
@@ -115,12 +123,14 @@ def _sign_payload_ok(payload, ctx, compressor) -> bool:
             and s.numel() == -(-ctx.numel // compressor.chunk) and packed.numel() >= (ctx.numel + 7) // 8)
 
 
-def sign_decompress(compressor, payload, ctx):
-    """``ScaledSign.decompress`` (exactly ``+s``/``-s``), or None."""
-    if ctx.dtype not in kernels.DTYPE_CODE or not _sign_payload_ok(payload, ctx, compressor):
+def sign_decompress(compressor, payload, ctx, out=None):
+    """``ScaledSign.decompress`` (exactly ``+s``/``-s``), or None; with ``out`` (flat,
+    ``ctx.dtype``), written into it."""
+    if (ctx.dtype not in kernels.DTYPE_CODE or not _sign_payload_ok(payload, ctx, compressor)
+            or not _out_ok(out, payload, ctx)):
         return None
     s, packed = payload
-    return kernels.sign_decompress(s, packed, compressor.chunk, ctx.numel, ctx.dtype)
+    return kernels.sign_decompress(s, packed, compressor.chunk, ctx.numel, ctx.dtype, out=out)
 
 
 def sign_decompress_add_(compressor, payload, ctx, acc):

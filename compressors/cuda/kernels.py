@@ -126,11 +126,20 @@ def qsgd_compress(x: torch.Tensor, bits: int, chunk: int, key: int) -> list[torc
     return [scales, packed]
 
 
+def _decode_target(acc, out, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Where a decode kernel writes: ``acc`` (adds), else ``out``, else a fresh tensor."""
+    if acc is not None:
+        return acc
+    return out if out is not None else torch.empty(n, dtype=dtype, device=device)
+
+
 def qsgd_decompress(scales: torch.Tensor, packed: torch.Tensor, bits: int, chunk: int, n: int,
-                    dtype: torch.dtype, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode ``n`` elements to ``dtype``; with ``acc`` (fp32), ``acc += decode`` in place."""
+                    dtype: torch.dtype, acc: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode ``n`` elements to ``dtype``; with ``acc`` (fp32), ``acc += decode`` in place; with
+    ``out`` (``dtype``, ``n``), the decode written into it."""
     idx = _dev(packed)
-    out = acc if acc is not None else torch.empty(n, dtype=dtype, device=packed.device)
+    out = _decode_target(acc, out, n, dtype, packed.device)
     if n:
         _backend.launch("qsgd_dequantize", idx, _backend.grid_for(n, idx),
                       (packed, scales, _i64(n), _i64(chunk), np.int32(bits), out,
@@ -173,10 +182,12 @@ def sign_pack(x: torch.Tensor) -> torch.Tensor:
 
 
 def sign_decompress(scales: torch.Tensor, packed: torch.Tensor, chunk: int, n: int,
-                    dtype: torch.dtype, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``+s`` / ``-s`` per bit in ``dtype``; with ``acc`` (fp32), ``acc += decode``."""
+                    dtype: torch.dtype, acc: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``+s`` / ``-s`` per bit in ``dtype``; with ``acc`` (fp32), ``acc += decode``; with
+    ``out`` (``dtype``, ``n``), the decode written into it."""
     idx = _dev(packed)
-    out = acc if acc is not None else torch.empty(n, dtype=dtype, device=packed.device)
+    out = _decode_target(acc, out, n, dtype, packed.device)
     if n:
         _backend.launch("sign_decode", idx, _backend.grid_for(n, idx),
                       (packed, scales, _i64(n), _i64(chunk), out, np.int32(DTYPE_CODE[out.dtype]),

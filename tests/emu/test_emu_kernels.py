@@ -93,6 +93,9 @@ def test_qsgd_compress_decompress(emu, bits, chunk, sid):
                 continue
             dref = q.decompress(ref, ctx_for(x))
             assert_same_bits(dispatch.qsgd_decompress(q, got, ctx_for(x)), dref, f"decode n={n} {dtype}")
+            into = torch.empty(n, dtype=dtype)  # decompress_into's form: decoded in place
+            assert dispatch.qsgd_decompress(q, got, ctx_for(x), into) is into
+            assert_same_bits(into, dref, f"decode into n={n} {dtype}")
             if dtype == torch.float32:
                 acc = make_x(n, seed=99)
                 acc_ref = acc.clone().add_(dref)
@@ -201,6 +204,9 @@ def test_sign(emu, chunk, sid):
             assert_same_bits(got[1], ref[1], f"sign bits n={n} {dtype}")
             dref = c.decompress(ref, ctx_for(x))
             assert_same_bits(dispatch.sign_decompress(c, got, ctx_for(x)), dref, f"decode n={n} {dtype}")
+            into = torch.empty(n, dtype=dtype)
+            assert dispatch.sign_decompress(c, got, ctx_for(x), into) is into
+            assert_same_bits(into, dref, f"decode into n={n} {dtype}")
             if dtype == torch.float32:
                 acc = make_x(n, seed=5)
                 acc_ref = acc.clone().add_(dref)
