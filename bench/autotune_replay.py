@@ -6,18 +6,19 @@ it from measured steps instead of a noise model: ``bench/ddp_step.py --interleav
 times dense and compressed hooks in alternating blocks of 2 steps (the autotuner's trial
 rounds: dense, A, B, ... with the first step of each not counted), keeping every counted
 step's time (``times_ms``). Each replayed tuning runs :class:`comms.autotune.Autotuner` on a
-synthetic clock; each of its rounds draws one measured block at random and gives every rule
-its step of that block — steps taken seconds apart, so a load that moved the whole block
-moves them all, as in a live tuning. A rule's times are the measured hook's, scaled so that
+synthetic clock; each of its rounds draws one measured block ``k`` at random and gives every
+rule its step of that block (and of block ``k + 1`` to a rule's second step in the round) —
+steps taken seconds apart, so a load that moved the whole block moves them all, as in a live
+tuning. A rule's times are the measured hook's, scaled so that
 its mean is ``(1 - gain)`` times dense's mean (the measured ratio divided out): the same
 noise, the gain chosen.
 
 Rules: ``a`` (the first compressed hook, gain from ``--gains``) and, with ``--rules 2`` or 3,
 ``b`` (the second hook, gain ``--other-gain``, default -0.3: a plan 30% slower, as two_phase
-is at 10 Gb/s) and ``c`` (the second hook again, as fast as dense). Printed per gain: the
-tunings that locked each rule, with and without the paired test (``PAIRED_T`` set to
-infinity), and the mean tuning steps; then the same rules under independent +-20% uniform
-noise, where nothing is paired.
+is at 10 Gb/s) and ``c`` (the second hook again, gain ``--third-gain``, default 0: as fast as
+dense). Printed per gain and per set of decision rules (``--variants``, :data:`VARIANTS`: the
+rules of earlier sessions beside today's): the tunings that locked each rule, and the mean
+tuning steps; then the same under independent +-20% uniform noise, where nothing is paired.
 
 Example::
 
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from comms import autotune  # noqa: E402
 from comms.autotune import DENSE, Autotuner  # noqa: E402
 
-__all__ = ["load_blocks", "replay", "main"]
+__all__ = ["VARIANTS", "load_blocks", "replay", "main"]
 
 
 def load_blocks(path: str) -> tuple[list[str], list[list[float]]]:
@@ -60,18 +61,39 @@ def load_blocks(path: str) -> tuple[list[str], list[list[float]]]:
     return [r["hook"] for r in rows], [[r["times_ms"][k] for r in rows] for k in range(n)]
 
 
+#: the decision rules replayed side by side: name -> the module constants they override.
+#: ``s18``: session 18's rules (the paired test at 4 standard errors of the rule's own spread;
+#: a block's first step never counted); ``count``: every step counted from round 2;
+#: ``count+drop``: and a rule surely not 3% faster than dense dropped; ``s19``: the rules as
+#: they are (also the paired tests at 3 standard errors of at least the pooled spread);
+#: ``own3``: s19 with each rule's own spread; ``unpaired``: s18 without the paired test
+VARIANTS = {
+    "unpaired": {"PAIRED_T": math.inf, "COUNT_EVERY_STEP_FROM": math.inf, "PAIRED_DROP_T": math.inf,
+                 "PAIRED_POOLED": False},
+    "s18": {"PAIRED_T": 4.0, "COUNT_EVERY_STEP_FROM": math.inf, "PAIRED_DROP_T": math.inf,
+            "PAIRED_POOLED": False},
+    "count": {"PAIRED_T": 4.0, "PAIRED_DROP_T": math.inf, "PAIRED_POOLED": False},
+    "count+drop": {"PAIRED_T": 4.0, "PAIRED_POOLED": False},
+    "s19": {},
+    "own3": {"PAIRED_POOLED": False},
+}
+
+
 @contextlib.contextmanager
-def _paired(on: bool):
-    saved = autotune.PAIRED_T
-    autotune.PAIRED_T = saved if on else math.inf
+def _variant(name: str):
+    saved = {k: getattr(autotune, k) for k in VARIANTS[name]}
+    for k, v in VARIANTS[name].items():
+        setattr(autotune, k, v)
     try:
         yield
     finally:
-        autotune.PAIRED_T = saved
+        for k, v in saved.items():
+            setattr(autotune, k, v)
 
 
 def _tune(step_time, rules: list[str], seed: int) -> tuple[str, int]:
-    """One tuning on a synthetic clock; ``step_time(rule, round, rng)`` in seconds."""
+    """One tuning on a synthetic clock; ``step_time(rule, round, position, rng)`` in seconds
+    (``position``: the step's index in its rule's block of the round)."""
     rng = random.Random(seed)
     tuner = Autotuner(steps_per_trial=2, trials=len(rules), candidates=rules)
     clock = 0.0
@@ -79,16 +101,21 @@ def _tune(step_time, rules: list[str], seed: int) -> tuple[str, int]:
         rule = tuner.begin_step(step, clock, lambda: rules, lambda v: v)
         if tuner.locked:
             return tuner.decision, tuner.tuning_steps
-        clock += step_time(rule, tuner._rounds, rng)  # the round this step belongs to
+        first = next(s for s, r, _ in tuner._round if r == rule)
+        clock += step_time(rule, tuner._rounds, step - first, rng)  # the round this step belongs to
     raise RuntimeError("the tuner never locked within 200 steps")
 
 
-def replay(blocks: list[list[float]], gains: dict[str, float], tunings: int, paired: bool,
+def replay(blocks: list[list[float]], gains: dict[str, float], tunings: int, variant: str,
            measured: bool = True) -> tuple[Counter, float]:
     """Locks per rule over ``tunings`` seeded tunings, and the mean tuning steps.
 
-    ``gains``: rule -> (hook column in ``blocks``, gain vs dense). ``measured=False``: every
-    step independent, ``1 +- 20%`` uniform times ``1 - gain`` (nothing to pair)."""
+    ``gains``: rule -> (hook column in ``blocks``, gain vs dense). ``variant``: a key of
+    :data:`VARIANTS`. ``measured=False``: every step independent, ``1 +- 20%`` uniform times
+    ``1 - gain`` (nothing to pair). A round draws a measured block ``k`` at random; the
+    ``j``-th step of a rule's block in that round takes the rule's time of block ``k + j``
+    (the next block was measured seconds later: a round's steps share its load, not one
+    value)."""
     dense_mean = statistics.fmean(b[0] for b in blocks)
     scale = {}
     for rule, (col, gain) in gains.items():
@@ -96,17 +123,17 @@ def replay(blocks: list[list[float]], gains: dict[str, float], tunings: int, pai
     scale[DENSE] = (0, 1.0)
     drawn: dict[int, int] = {}
 
-    def step_time(rule, rnd, rng):
+    def step_time(rule, rnd, pos, rng):
         if not measured:
             g = 0.0 if rule == DENSE else gains[rule][1]
             return (1 - g) * (1 + rng.uniform(-0.2, 0.2))
         if rnd not in drawn:
             drawn[rnd] = rng.randrange(len(blocks))
         col, f = scale[rule]
-        return blocks[drawn[rnd]][col] * f / 1e3
+        return blocks[(drawn[rnd] + pos) % len(blocks)][col] * f / 1e3
 
     locks, steps = Counter(), []
-    with _paired(paired):
+    with _variant(variant):
         for seed in range(tunings):
             drawn.clear()
             decision, n = _tune(step_time, list(gains), seed)
@@ -122,12 +149,15 @@ def main(argv=None) -> None:
                    help="gains of rule a vs dense (fraction of dense's mean step)")
     p.add_argument("--rules", type=int, default=2, choices=(1, 2, 3), help="compressed rules in play")
     p.add_argument("--other-gain", type=float, default=-0.3, help="rule b's gain (-0.3: 30%% slower)")
+    p.add_argument("--third-gain", type=float, default=0.0, help="rule c's gain (0: as fast as dense)")
+    p.add_argument("--variants", default="s18,count,count+drop,s19",
+                   help=f"decision rules to replay, comma-separated, of {list(VARIANTS)}")
     p.add_argument("--tunings", type=int, default=400)
     args = p.parse_args(argv)
     hooks, blocks = load_blocks(args.json)
     other = 2 if len(hooks) > 2 else 1
     print(f"# {args.json}: {len(blocks)} blocks of {hooks}; rule a = {hooks[1]}, "
-          f"b = {hooks[other]} at gain {args.other_gain}, c = {hooks[other]} as fast as dense; "
+          f"b = {hooks[other]} at gain {args.other_gain}, c = {hooks[other]} at gain {args.third_gain}; "
           f"{args.rules} rule(s) in play, {args.tunings} tunings each")
     d = [b[0] for b in blocks]
     for col in range(1, len(hooks)):
@@ -137,14 +167,14 @@ def main(argv=None) -> None:
               f"(spread {statistics.stdev(x) / statistics.fmean(x):.1%} vs {statistics.stdev(d) / statistics.fmean(d):.1%}), "
               f"correlation with dense {statistics.correlation(x, d):.2f}, paired log-ratio spread "
               f"{statistics.stdev(lr):.3f}")
-    print(f"{'noise':>9} {'gain a':>7} {'paired test':>12} {'locked a':>9} {'locked b/c':>11} {'dense':>6} {'steps':>6}")
+    print(f"{'noise':>9} {'gain a':>7} {'rules':>12} {'locked a':>9} {'locked b/c':>11} {'dense':>6} {'steps':>6}")
     for measured in (True, False):
         for gain in (float(g) for g in args.gains.split(",")):
-            rules = {"a": (1, gain), "b": (other, args.other_gain), "c": (other, 0.0)}
+            rules = {"a": (1, gain), "b": (other, args.other_gain), "c": (other, args.third_gain)}
             rules = dict(list(rules.items())[: args.rules])
-            for paired in (False, True):
-                locks, steps = replay(blocks, rules, args.tunings, paired, measured)
-                print(f"{'measured' if measured else 'uniform':>9} {gain:>7.3f} {'on' if paired else 'off':>12} "
+            for variant in args.variants.split(","):
+                locks, steps = replay(blocks, rules, args.tunings, variant, measured)
+                print(f"{'measured' if measured else 'uniform':>9} {gain:>7.3f} {variant:>12} "
                       f"{locks['a']:>9} {locks['b'] + locks['c']:>11} {locks[DENSE]:>6} {steps:>6.1f}")
 
 

@@ -2,9 +2,10 @@
 
 The cost model only *proposes*. From the first compressed iteration the tuner runs whole-step
 plans ("rules") — always all-dense, then the cost model's best few proposals — **interleaved
-in rounds** (dense, A, B, dense, A, B, ...; each rule for ``steps_per_trial`` steps, the
-first of which is not counted because switching flushes residuals and allocates), times every
-step, agrees on the timings across ranks after each round (one small allgather, MAX per step)
+in rounds** (dense, A, B, dense, A, B, ...; each rule for ``steps_per_trial`` steps; in the
+first round the first step of each is not counted because a rule's first steps allocate, from
+the second round every step counts: a block's first step measured within 1-4% of the next
+ones), times every step, agrees on the timings across ranks after each round (one small allgather, MAX per step)
 and decides when **the data decides**:
 
 * a rule whose every sample is slower than every dense sample is dropped — from round 2, two
@@ -18,23 +19,30 @@ and decides when **the data decides**:
   overturn; before it, a plan 15% faster than dense over 9 samples each lost to one overlap),
   or, from :data:`PAIRED_MIN_ROUNDS` (4) rounds, **paired by round**: the mean of
   ``log(rule / dense)`` over the rounds that timed both (seconds apart, so the load both
-  saw cancels) is below ``log(1 - prefer_dense)`` and :data:`PAIRED_T` (4) standard errors
-  below 0. At 10 Gb/s, 2 ranks, the steps of two interleaved plans correlate by ~0.5 on this
-  VM (per-step spread ~10%; paired log-ratio spread 8.3% where the unpaired difference has
-  12.7%), so the paired test tells a 10% faster plan in 40 steps where the unpaired ones
-  often cannot (bench/results/autotune_noise_10gbit_s17.md). 4 standard errors, not 3: under
-  independent +-20% noise (nothing to pair) 3 locked an equal plan in 22 of 400 tunings;
-  tuning stops when no undecided rule is left after at least
+  saw cancels) is below ``log(1 - prefer_dense)`` and :data:`PAIRED_T` (3) standard errors
+  below 0 — standard errors of at least the spread pooled over every compressed rule
+  (:data:`PAIRED_POOLED`: one rule's spread from 4 rounds has 3 degrees of freedom, and with
+  its own spread 3 standard errors locked an equal plan in 22 of 400 simulated tunings). At
+  10 Gb/s, 2 ranks, the steps of two interleaved plans correlate by ~0.5 on this VM (per-step
+  spread ~10%; paired log-ratio spread 8.3% where the unpaired difference has 12.7%), so the
+  paired test tells a 10% faster plan in 40 steps where the unpaired ones often cannot
+  (bench/results/autotune_noise_10gbit_s17.md);
+* a rule that **surely cannot win** is dropped: from :data:`PAIRED_MIN_ROUNDS` rounds, its
+  mean paired log-ratio lies :data:`PAIRED_DROP_T` (2) standard errors above
+  ``log(1 - prefer_dense)``; its steps go to the rules that still can win, and it no longer
+  holds the phase open;
+* tuning stops when no undecided rule is left after at least
   ``min_rounds`` (4) rounds, or when the
   next round would exceed ``max_steps`` (default 40 steps): then the fastest *winning* rule is
   locked, and dense when none won — an unclear result never compresses. Simulated with
   three candidates as fast as dense and +-20% uniform step noise, at most 4 of 100 seeded
   tunings may lock a compressed rule (tests/unit/test_autotuner_rules.py; 8 of 400 measured
   with the rank test, 1 of 400 before it and the round-2 drop; 10 of 400 with the paired
-  test). Replayed on measured 10 Gb/s steps (``bench/autotune_replay.py``, 400 tunings per
-  row, a candidate ``a`` beside one 30% slower; bench/results/autotune_noise_10gbit_s17.md):
-  ``a`` as fast as dense is locked in 5 (1 without the paired test), 3% slower in 2 (1), 6.7%
-  faster in 161 (110), 10% faster in 299 (243), 12% faster in 369 (329);
+  test; 8 of 400 with today's rules). Replayed on measured 10 Gb/s steps
+  (``bench/autotune_replay.py``, 400 tunings per row, a candidate ``a`` beside one 30%
+  slower; bench/results/autotune_replay_s19.md, session 18's rules in brackets): ``a`` as
+  fast as dense is locked in 2 (14), 3% slower in 0 (2), 6.7% faster in 254 (163), 10%
+  faster in 397 (289), 12% faster in 400 (356);
 * **a decisive result stops earlier**: from round 2 on, when the fastest winner's every
   sample beats every dense sample by ``decisive`` (10%) and every other rule is dropped or
   has every sample slower than every sample of that winner by ``decisive``, it is locked
@@ -100,7 +108,7 @@ from .algorithms import DENSE
 from .deadline import advice
 
 __all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S", "MAX_STEP_SECONDS",
-           "PAIRED_MIN_ROUNDS", "PAIRED_T", "RANK_MIN_SAMPLES", "RANK_WIN"]
+           "COUNT_EVERY_STEP_FROM", "PAIRED_DROP_T", "PAIRED_MIN_ROUNDS", "PAIRED_POOLED", "PAIRED_T", "RANK_MIN_SAMPLES", "RANK_WIN"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +165,16 @@ RANK_WIN = 0.85
 #: the paired test of :meth:`Autotuner._wins`: from this many rounds that timed both rules ...
 PAIRED_MIN_ROUNDS = 4
 #: ... the mean per-round ``log(rule / dense)`` must lie this many standard errors below 0
-PAIRED_T = 4.0
+PAIRED_T = 3.0
+#: the paired tests take at least the spread pooled over every compressed rule (see
+#: :meth:`Autotuner._paired_sd`)
+PAIRED_POOLED = True
+#: a rule whose mean per-round ``log(rule / dense)`` lies this many standard errors above
+#: ``log(1 - prefer_dense)`` (from :data:`PAIRED_MIN_ROUNDS` rounds) is dropped: it cannot win
+PAIRED_DROP_T = 2.0
+#: the round (0-based, per trial phase) from which every trial step is counted (before it,
+#: the first step of each rule's block is not: it allocates)
+COUNT_EVERY_STEP_FROM = 1
 
 
 def _faster_pairs(fast: list[float], slow: list[float]) -> float:
@@ -177,7 +194,8 @@ class Autotuner:
     """Interleaved trial rounds, per-step timing, the agreed decision and the watchdog.
 
     Args:
-        steps_per_trial: steps a rule runs per round (>= 2; the first is not counted).
+        steps_per_trial: steps a rule runs per round (>= 2; in the first round the first
+            is not counted).
         trials: compressed rules to try besides all-dense (the cost model's best few).
         prefer_dense: a compressed rule must be at least this fraction faster than dense.
         candidates: explicit rules to try instead of the cost model's proposals (``"dense"``
@@ -296,10 +314,23 @@ class Autotuner:
                 self._end_round(agree)
                 if self.locked:
                     return self._watch(step, agree)
-            self._round = [(step + i * self.steps + j, r, j > 0)
-                           for i, r in enumerate(self._active) for j in range(self.steps)]
+            self._round = self._schedule(step)
         self.rule = next(r for s, r, _ in self._round if s == step)
         return self.rule
+
+    def _schedule(self, step: int) -> list[tuple[int, str, bool]]:
+        """The next round from ``step``: ``(step, rule, counted)``, every live rule for
+        ``self.steps`` steps in turn. In a phase's first round the first step of each rule is
+        not counted (the rule's first steps allocate its buffers); from the second round on,
+        from round :data:`COUNT_EVERY_STEP_FROM`, every step counts: measured at 10 Gb/s
+        (qsgd4, four rules in blocks of 3 steps, two runs of 10-11 rounds), a block's first
+        step was within -0.9% .. +3.7% of the block's other steps (standard errors 2-4%)
+        while round 1's first steps were up to ~2x (bench/autotune_first_step.py,
+        bench/results/autotune_first_step_10gbit_s19.md). Twice the samples from the same
+        steps."""
+        every = self._rounds >= COUNT_EVERY_STEP_FROM
+        return [(step + i * self.steps + j, r, every or j > 0)
+                for i, r in enumerate(self._active) for j in range(self.steps)]
 
     def _end_round(self, agree) -> None:
         vals = list(agree([self._durations.get(s, math.nan) for s, _, _ in self._round]))
@@ -321,6 +352,8 @@ class Autotuner:
                 continue  # slower than every dense step, two samples each at least: dropped
             if dense and rounds >= self.min_rounds and min(s) > max(dense) * (1 - self.prefer_dense):
                 continue  # none of its steps beat dense by the margin: it cannot win
+            if self._paired_loses(r):
+                continue  # paired by round, surely not prefer_dense faster: its rounds go to the rest
             if not (dense and self._wins(r)):
                 undecided.append(r)
         winners = [r for r in self._active if r != DENSE and dense and self._samples[r]
@@ -387,13 +420,48 @@ class Autotuner:
         has its mean below ``log(1 - prefer_dense)`` and :data:`PAIRED_T` standard errors below
         0. A round's steps are seconds apart: the load that moves both cancels in the ratio
         (slow drifts of this shared machine that make the unpaired spread)."""
-        mine, dense = self._by_round.get(rule, {}), self._by_round.get(DENSE, {})
-        both = sorted(set(mine) & set(dense))
-        if len(both) < PAIRED_MIN_ROUNDS:
+        x = self._paired_log_ratios(rule)
+        if len(x) < PAIRED_MIN_ROUNDS:
             return False
-        x = [math.log(statistics.fmean(mine[k]) / statistics.fmean(dense[k])) for k in both]
         mean = statistics.fmean(x)
-        return mean < math.log(1 - self.prefer_dense) and -mean > PAIRED_T * statistics.stdev(x) / math.sqrt(len(x))
+        return mean < math.log(1 - self.prefer_dense) and -mean > PAIRED_T * self._paired_sd(x) / math.sqrt(len(x))
+
+    def _paired_sd(self, x: list[float]) -> float:
+        """The spread of one rule's per-round log-ratios ``x``: their own standard deviation, or
+        with :data:`PAIRED_POOLED` at least the one pooled over every compressed rule timed in
+        two rounds or more (each about its own mean: the rules' gains differ, their round-to-
+        round noise is the machine's). From 4 rounds one rule's spread has 3 degrees of
+        freedom and comes out at half the true one in 1 tuning of 10: the pooled one, over 3
+        rules, guards the test against that without letting a quiet rule lower a noisy one's."""
+        own = statistics.stdev(x)
+        if not PAIRED_POOLED:
+            return own
+        ss, dof = 0.0, 0
+        for r in self.trials:
+            y = self._paired_log_ratios(r) if r != DENSE else []
+            if len(y) >= 2:
+                m = statistics.fmean(y)
+                ss += sum((v - m) ** 2 for v in y)
+                dof += len(y) - 1
+        return max(own, math.sqrt(ss / dof)) if dof else own
+
+    def _paired_loses(self, rule: str) -> bool:
+        """Over at least :data:`PAIRED_MIN_ROUNDS` rounds that timed both ``rule`` and dense,
+        the mean per-round ``log(mean rule step / mean dense step)`` lies
+        :data:`PAIRED_DROP_T` standard errors above ``log(1 - prefer_dense)``: the rule is
+        surely not the margin faster than dense, so it cannot win; dropping it leaves the
+        remaining budget to the rules that still can (a round of 4 rules costs twice one of 2)."""
+        x = self._paired_log_ratios(rule)
+        if len(x) < PAIRED_MIN_ROUNDS:
+            return False
+        se = statistics.stdev(x) / math.sqrt(len(x))  # its own spread: a drop needs no guard
+        return statistics.fmean(x) - PAIRED_DROP_T * se > math.log(1 - self.prefer_dense)
+
+    def _paired_log_ratios(self, rule: str) -> list[float]:
+        """Per round that timed both ``rule`` and dense: ``log(mean rule step / mean dense step)``."""
+        mine, dense = self._by_round.get(rule, {}), self._by_round.get(DENSE, {})
+        return [math.log(statistics.fmean(mine[k]) / statistics.fmean(dense[k]))
+                for k in sorted(set(mine) & set(dense))]
 
     @staticmethod
     def _beats(fast: list[float], slow: list[float], margin: float) -> bool:
@@ -497,8 +565,7 @@ class Autotuner:
         self._samples = {r: [] for r in trials}
         self._by_round = {}
         self.tunings += 1
-        self._round = [(step + i * self.steps + j, r, j > 0)
-                       for i, r in enumerate(self._active) for j in range(self.steps)]
+        self._round = self._schedule(step)
         self.rule = self._round[0][1]
         return self.rule
 

@@ -135,8 +135,8 @@ class CompressionState:
         min_compress_numel: buckets smaller than this go dense (latency dominates).
         autotune: with ``algorithm="auto"``: time the best few plans on real steps and lock in
             the fastest (:mod:`comms.autotune`); ``False``: the cost model's choice is final.
-        autotune_steps: steps each rule runs per interleaved tuning round (>= 2; the first is
-            not counted). Tuning takes at most 40 steps (``state.planner.tuner.max_steps``).
+        autotune_steps: steps each rule runs per interleaved tuning round (>= 2; in the first
+            round the first is not counted). Tuning takes at most 40 steps (``state.planner.tuner.max_steps``).
         timeout: seconds (or a ``timedelta``) any commpress wait may last before it raises
             ``comms.CollectiveTimeout`` (a stuck or dead peer); ``None``: the process group's
             timeout (``init_process_group(timeout=...)``). Local: may differ between ranks.

@@ -199,12 +199,29 @@ def test_step_times_replay_through_the_autotuner(tmp_path):
     rows = {r["hook"]: r for r in json.loads(js.read_text())["rows"]}
     assert [len(rows[h]["times_ms"]) for h in ("dense", "qsgd8@allgather")] == [8, 8]
     assert min(rows["dense"]["times_ms"]) > 0
-    out = _run(["bench/autotune_replay.py", str(js), "--gains", "0,0.6", "--tunings", "20"])
+    out = _run(["bench/autotune_replay.py", str(js), "--gains", "0,0.6", "--tunings", "20",
+                "--variants", "s18,s19"])
     lines = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["measured"], ["uniform"])]
-    assert len(lines) == 8  # 2 noises x 2 gains x paired off/on
-    for noise, gain, paired, a, bc, dense, steps in lines:
+    assert len(lines) == 8  # 2 noises x 2 gains x 2 sets of rules
+    assert [ln[2] for ln in lines[:2]] == ["s18", "s19"]
+    for noise, gain, variant, a, bc, dense, steps in lines:
         assert int(a) + int(bc) + int(dense) == 20 and float(steps) <= 40
         if gain == "0.600":
             assert int(a) >= 18, lines
         else:
             assert int(a) + int(bc) <= 3, lines
+
+
+def test_first_step_bench_times_every_position_of_every_rule(tmp_path):
+    # one long trial phase on loopback, blocks of 3: a row per rule with a median per block
+    # position, round 1's steps, and the first-vs-rest log ratio over the later rounds
+    out = _run(["bench/autotune_first_step.py", "-n", "2", "--width", "256", "--depth", "2",
+                "--spec", "qsgd:bits=8", "--candidates", "allgather,shared_scale", "--block", "3",
+                "--budget", "27", "--no-lock", "--out", str(tmp_path / "fs")])
+    rows = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith("| ") and "rule" not in ln]
+    by = {r[0].strip(): r for r in rows}
+    assert by and "dense" in by and set(by) <= {"dense", "allgather", "shared_scale"}
+    assert int(by["dense"][1]) == 3  # 27 steps = 3 rounds of 3 rules x 3 steps
+    for r in by.values():
+        assert all(float(v) > 0 for v in r[2:5]) and len(r[5].split("/")) == 3
+    assert (tmp_path / "fs.md").read_text().count("| dense |") == 1

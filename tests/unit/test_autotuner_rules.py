@@ -4,6 +4,7 @@ watchdog re-tuning on drift, checkpointing."""
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -37,7 +38,8 @@ def test_rounds_are_interleaved_and_a_clear_winner_locks_after_min_rounds():
     assert rules[16:28] == ["dense", "dense", "a", "a", "b", "b"] * 2
     assert t.locked and t.decision == "a" and rules[28:] == ["a"] * 8
     assert [len(v) for v in agreed] == [8, 8, 6, 6]
-    assert [(r, n) for r, _, n in t.table] == [("dense", 4), ("a", 4), ("b", 4), ("c", 2)]
+    # round 1 counts each rule's second step (the first allocates), later rounds every step
+    assert [(r, n) for r, _, n in t.table] == [("dense", 7), ("a", 7), ("b", 7), ("c", 3)]
     assert t.tuning_steps == 28
     # the tuning cost is every tuning step's time beyond a's 0.92 s
     assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:28]) - 28 * 0.92)
@@ -59,7 +61,8 @@ def test_dense_beaten_decisively_by_every_live_rule_runs_no_more_trials():
         assert t.locked and t.decision == "a" and t.tuning_steps == steps
         assert rules[steps:] == ["a"] * (36 - steps)
         # dense keeps its samples (the table, the watchdog's runner-up is dense)
-        assert dict((r, n) for r, _, n in t.table)["dense"] == dense_steps // 2
+        # (round 1's first dense step is the only one not counted)
+        assert dict((r, n) for r, _, n in t.table)["dense"] == dense_steps - 1
         assert t.tuning_cost_s == pytest.approx(sum(cost[r] for r in rules[:steps]) - steps * 0.5)
     # a live rule within the decisive margin of dense (b) keeps dense in every round: a beats
     # dense by more than 10%, b by less, and a and b are within 10% of each other (no early
@@ -101,17 +104,23 @@ def test_one_stalled_step_neither_drops_nor_disqualifies_a_faster_plan():
     # a is 10% faster than dense, but its first counted step (step 3) stalls to 1.3 s: after
     # round 1 it is slower than every dense step, yet it keeps running (two samples each before
     # anything is dropped); the stall keeps its range overlapping dense's for good, and the
-    # rank test locks it once 7 samples each put it ahead in 42 of 49 pairs (>= 85%)
+    # rank test locks it once 7 samples each (1 + 2 + 2 + 2: from round 2 every step counts)
+    # put it ahead in 42 of 49 pairs (>= 85%)
     cost = {"dense": 1.0, "a": 0.9}
     t = Autotuner(steps_per_trial=2, trials=1)
     rules = drive(t, lambda r, s: 1.3 if s == 3 else cost[r], 40)
     assert rules[4:8] == ["dense", "dense", "a", "a"]
     assert t.locked and t.decision == "a", t.table
-    assert t.tuning_steps == 7 * 4 and dict((r, n) for r, _, n in t.table) == {"dense": 7, "a": 7}
-    # one more stall (two of 7 samples): 35 of 49 pairs, no win; the budget ends it on dense
+    assert t.tuning_steps == 4 * 4 and dict((r, n) for r, _, n in t.table) == {"dense": 7, "a": 7}
+    # one more stall (step 7, counted in round 2): 35 of 49 pairs at round 4; the rank test
+    # needs 15 samples each (195 of 225 pairs, 87%): round 8
     t = Autotuner(steps_per_trial=2, trials=1)
     drive(t, lambda r, s: 1.3 if s in (3, 7) else cost[r], 40)
-    assert t.locked and t.decision == "dense"
+    assert t.locked and t.decision == "a" and t.tuning_steps == 8 * 4
+    # three stalls (3 of 19 samples at the budget: 304 of 361 pairs, 84%): dense
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: 1.3 if s in (3, 7, 11) else cost[r], 44)
+    assert t.locked and t.decision == "dense" and t.tuning_steps == 40
     # the same a with no stall wins as before: disjoint, after min_rounds (4)
     t = Autotuner(steps_per_trial=2, trials=1)
     drive(t, lambda r, s: cost[r], 40)
@@ -180,6 +189,70 @@ def test_a_plan_faster_in_every_round_wins_under_load_that_moves_both(monkeypatc
     t = Autotuner(steps_per_trial=2, trials=1)
     drive(t, lambda r, s: (1.0 if r == "dense" else 0.98) * (1 + rng.uniform(-0.001, 0.001)), 40)
     assert t.decision == "dense"
+
+
+def test_round_one_skips_each_rules_first_step_and_later_rounds_count_every_step():
+    # a's first step of the phase (step 2) allocates: 5 s, not counted; its first step of
+    # round 2 (step 6) is counted like every later step (measured: within 1-2% of the next)
+    cost = {"dense": 1.0, "a": 0.9}
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: 5.0 if s == 2 else cost[r], 40)
+    assert t.decision == "a" and t.tuning_steps == 4 * 4
+    assert t._samples["a"] == pytest.approx([0.9] * 7)
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: 0.95 if s == 6 else cost[r], 40)
+    assert t._samples["a"][:3] == pytest.approx([0.9, 0.95, 0.9])
+    with pytest.MonkeyPatch.context() as mp:  # the old rule, for contrast: 4 samples in 4 rounds
+        mp.setattr(autotune, "COUNT_EVERY_STEP_FROM", math.inf)
+        t = Autotuner(steps_per_trial=2, trials=1)
+        drive(t, lambda r, s: cost[r], 40)
+        assert len(t._samples["a"]) == 4
+
+
+# rounds' load on a shared machine (x0.75-1.3): unpaired, the rules' samples all overlap
+ROUND_LOAD = [1.0, 1.25, 0.8, 1.1, 0.9, 1.2, 0.85, 1.05, 0.95, 1.15, 0.75, 1.3]
+
+
+def test_a_rule_that_surely_cannot_win_is_dropped_and_no_longer_holds_the_phase_open(monkeypatch):
+    # rounds of dense, dense, a, a, b, b under load that moves whole rounds: a is 5% faster
+    # (+-8% per step), b as fast as dense within 0.5% in every round. Unpaired, b overlaps
+    # dense and stays undecided, holding the phase open to the budget (36 steps); paired, from
+    # PAIRED_MIN_ROUNDS rounds b is surely not 3% faster: dropped, and a locks at round 4
+    def times(rule, step):
+        rng = random.Random(step)
+        f = {"dense": 1.0, "a": 0.95 * (1 + rng.uniform(-0.08, 0.08)), "b": 1.0 + 0.005 * (-1) ** step}[rule]
+        return ROUND_LOAD[step // 6 % len(ROUND_LOAD)] * f
+
+    t = Autotuner(steps_per_trial=2, trials=2)
+    rules = drive(t, times, 44)
+    assert rules[:24] == ["dense", "dense", "a", "a", "b", "b"] * 4
+    assert t.decision == "a" and t.tuning_steps == 24 and rules[24:] == ["a"] * 20
+    assert t._paired_loses("b") and not t._paired_loses("a")
+    monkeypatch.setattr(autotune, "PAIRED_DROP_T", math.inf)
+    t = Autotuner(steps_per_trial=2, trials=2)
+    rules = drive(t, times, 44)
+    assert rules[:36] == ["dense", "dense", "a", "a", "b", "b"] * 6 and t.tuning_steps == 36
+
+
+def test_the_paired_test_takes_at_least_the_spread_pooled_over_the_rules(monkeypatch):
+    # a's rounds happen to agree closely (-4.7% / -5.5% vs dense) while b, on the same
+    # machine, moves by +-25% from round to round: a's own spread, from a few rounds, is
+    # likely too small; with the pooled spread a 5% gain is not clear in 36 steps (dense),
+    # with a's own it wins
+    def times(rule, step):
+        k = step // 6
+        f = {"dense": 1.0, "a": 0.95 * (1 + 0.004 * (-1) ** k), "b": 0.8 if k % 2 else 1.25}[rule]
+        return ROUND_LOAD[k % len(ROUND_LOAD)] * f
+
+    t = Autotuner(steps_per_trial=2, trials=2)
+    drive(t, times, 44)
+    assert t.decision == "dense"
+    x = t._paired_log_ratios("a")
+    assert t._paired_sd(x) > 5 * statistics.stdev(x)
+    monkeypatch.setattr(autotune, "PAIRED_POOLED", False)
+    t = Autotuner(steps_per_trial=2, trials=2)
+    drive(t, times, 44)
+    assert t.decision == "a"
 
 
 def test_near_tied_winners_lock_the_preferred_rule_in_nearly_every_tuning():
