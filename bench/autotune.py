@@ -103,7 +103,7 @@ def configs_for(specs) -> list:
 
 class _Capture(logging.Handler):
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.records: list[str] = []
 
     def emit(self, record):
@@ -122,9 +122,10 @@ def rank_main(rank: int, world: int, args):
     if args.bucket_cap_mb is None:
         args.bucket_cap_mb = args.one_bucket_mb
     cap = _Capture()
-    for name in ("comms.planner", "comms.cost_model"):
+    for name, level in (("comms.planner", logging.INFO), ("comms.cost_model", logging.INFO),
+                        ("comms.autotune", logging.DEBUG)):  # the trial steps, for --phases replays
         lg = logging.getLogger(name)
-        lg.setLevel(logging.INFO)
+        lg.setLevel(level)
         lg.addHandler(cap)
     numel = sum(p.numel() for p in ddp_step.build_model(args.model, args.width, args.depth).parameters())
     if rank == 0:

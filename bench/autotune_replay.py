@@ -36,7 +36,7 @@ import math
 import random
 import statistics
 import sys
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from comms import autotune  # noqa: E402
 from comms.autotune import DENSE, Autotuner  # noqa: E402
 
-__all__ = ["VARIANTS", "load_blocks", "replay", "main"]
+__all__ = ["VARIANTS", "load_blocks", "load_phases", "replay", "replay_phase", "main"]
 
 
 def load_blocks(path: str) -> tuple[list[str], list[list[float]]]:
@@ -142,6 +142,41 @@ def replay(blocks: list[list[float]], gains: dict[str, float], tunings: int, var
     return locks, statistics.fmean(steps)
 
 
+def load_phases(path: str) -> list[list[tuple[str, float]]]:
+    """Every ``autotune phase steps: rule:ms ...`` line of a log or results file (the
+    autotuner logs one per trial phase at DEBUG; bench/autotune.py keeps them): the agreed
+    ``(rule, seconds)`` trial steps of each tuning, in order."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if "autotune phase steps:" in line:
+            items = line.split("autotune phase steps:", 1)[1].split()
+            out.append([(r, float(ms) / 1e3) for r, ms in (it.rsplit(":", 1) for it in items)])
+    if not out:
+        raise ValueError(f"{path}: no 'autotune phase steps:' lines")
+    return out
+
+
+def replay_phase(steps: list[tuple[str, float]], variant: str) -> str:
+    """The decision of one measured tuning under ``variant``'s rules: each rule's measured steps
+    are handed out in their order as the replayed tuner asks for that rule. ``"?"`` when the
+    replay asks a rule for more steps than were measured (the rules kept it longer)."""
+    queues: dict[str, deque] = {}
+    for r, v in steps:
+        queues.setdefault(r, deque()).append(v)
+    rules = [r for r in queues if r != DENSE]
+    with _variant(variant):
+        tuner = Autotuner(steps_per_trial=2, trials=len(rules), candidates=rules)
+        clock = 0.0
+        for step in range(len(steps) + 1):
+            rule = tuner.begin_step(step, clock, lambda: rules, lambda v: v)
+            if tuner.locked:
+                return tuner.decision
+            if not queues[rule]:
+                return "?"
+            clock += queues[rule].popleft()
+    return "?"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", help="bench/ddp_step.py --interleave 2 --json output")
@@ -153,7 +188,16 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="s18,count,count+drop,s19",
                    help=f"decision rules to replay, comma-separated, of {list(VARIANTS)}")
     p.add_argument("--tunings", type=int, default=400)
+    p.add_argument("--phases", action="store_true",
+                   help="json is a log or results file with 'autotune phase steps:' lines: replay "
+                        "each measured tuning under every --variants and print the decisions")
     args = p.parse_args(argv)
+    if args.phases:
+        variants = args.variants.split(",")
+        print(f"{'tuning':>6} {'steps':>5} " + " ".join(f"{v:>12}" for v in variants))
+        for k, steps in enumerate(load_phases(args.json)):
+            print(f"{k:>6} {len(steps):>5} " + " ".join(f"{replay_phase(steps, v):>12}" for v in variants))
+        return
     hooks, blocks = load_blocks(args.json)
     other = 2 if len(hooks) > 2 else 1
     print(f"# {args.json}: {len(blocks)} blocks of {hooks}; rule a = {hooks[1]}, "

@@ -428,16 +428,18 @@ class Autotuner:
 
     def _paired_sd(self, x: list[float]) -> float:
         """The spread of one rule's per-round log-ratios ``x``: their own standard deviation, or
-        with :data:`PAIRED_POOLED` at least the one pooled over every compressed rule timed in
-        two rounds or more (each about its own mean: the rules' gains differ, their round-to-
-        round noise is the machine's). From 4 rounds one rule's spread has 3 degrees of
-        freedom and comes out at half the true one in 1 tuning of 10: the pooled one, over 3
-        rules, guards the test against that without letting a quiet rule lower a noisy one's."""
+        with :data:`PAIRED_POOLED` at least the one pooled over the compressed rules still in
+        play that were timed in two rounds or more (each about its own mean: the rules' gains
+        differ, their round-to-round noise is the machine's). From 4 rounds one rule's spread
+        has 3 degrees of freedom and comes out at half the true one in 1 tuning of 10: the
+        pooled one, over 3 rules, guards the test against that without letting a quiet rule
+        lower a noisy one's. Dropped rules leave the pool: a plan 30% slower with stalls (top-k's
+        two_phase at 10 Gb/s) has a spread of its own that must not hide a clear winner."""
         own = statistics.stdev(x)
         if not PAIRED_POOLED:
             return own
         ss, dof = 0.0, 0
-        for r in self.trials:
+        for r in self._active:
             y = self._paired_log_ratios(r) if r != DENSE else []
             if len(y) >= 2:
                 m = statistics.fmean(y)
@@ -506,6 +508,8 @@ class Autotuner:
         finite = [v for _, v in self._phase_steps if math.isfinite(v)]
         self.tuning_steps = len(self._phase_steps)
         self.tuning_cost_s = max(0.0, sum(finite) - len(finite) * score) if math.isfinite(score) else 0.0
+        # every agreed trial step, in order: what bench/autotune_replay.py --phases replays
+        logger.debug("autotune phase steps: %s", " ".join(f"{r}:{v * 1e3:.1f}" for r, v in self._phase_steps))
         self._round = []
         self._recent.clear()
         self._check = []

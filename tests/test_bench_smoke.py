@@ -225,3 +225,17 @@ def test_first_step_bench_times_every_position_of_every_rule(tmp_path):
     for r in by.values():
         assert all(float(v) > 0 for v in r[2:5]) and len(r[5].split("/")) == 3
     assert (tmp_path / "fs.md").read_text().count("| dense |") == 1
+
+
+def test_replay_of_logged_tuning_phases(tmp_path):
+    # a logged trial phase (the autotuner's DEBUG line) replayed under two sets of rules: a
+    # plan 40% faster than dense in every step locks under both; a phase too short for the
+    # rules' schedule gives "?"
+    clear = " ".join(f"{r}:{ms}" for _ in range(6) for r, ms in
+                     (("dense", 300.0), ("dense", 301.0), ("allgather", 180.0), ("allgather", 181.0)))
+    short = "dense:300.0 dense:300.0 allgather:290.0 allgather:291.0"
+    log = tmp_path / "t.log"
+    log.write_text(f"x autotune phase steps: {clear}\nnoise\nautotune phase steps: {short}\n")
+    out = _run(["bench/autotune_replay.py", str(log), "--phases", "--variants", "s18,s19"])
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["0"], ["1"])]
+    assert rows == [["0", "24", "allgather", "allgather"], ["1", "4", "?", "?"]], out

@@ -255,6 +255,24 @@ def test_the_paired_test_takes_at_least_the_spread_pooled_over_the_rules(monkeyp
     assert t.decision == "a"
 
 
+def test_a_dropped_rule_leaves_the_pooled_spread():
+    # b is 30-160% slower than dense with stalls (top-k's two_phase at 10 Gb/s): dropped after
+    # round 2, its two wild rounds leave the pool, and a (9% faster, +-3% per step, under load
+    # that moves whole rounds) wins the paired test at round 4 on its own spread: 20 steps.
+    # Pooled over every rule tried, b's spread held a off until round 7 (32 steps)
+    def times(rule, step):
+        rng = random.Random(step)
+        k = step // 6 if step < 12 else 2 + (step - 12) // 4  # rounds of 6 steps, then of 4
+        f = {"dense": 1.0, "a": 0.91 * (1 + rng.uniform(-0.03, 0.03)), "b": (1.3, 2.6)[step % 2]}[rule]
+        return ROUND_LOAD[k % len(ROUND_LOAD)] * f
+
+    t = Autotuner(steps_per_trial=2, trials=2)
+    rules = drive(t, times, 44)
+    assert rules[:20] == ["dense", "dense", "a", "a", "b", "b"] * 2 + ["dense", "dense", "a", "a"] * 2
+    assert t.decision == "a" and t.tuning_steps == 20
+    assert autotune._faster_pairs(t._samples["a"], t._samples["dense"]) < autotune.RANK_WIN
+
+
 def test_near_tied_winners_lock_the_preferred_rule_in_nearly_every_tuning():
     # a and b both beat dense by ~40%; b is 1.5% faster on average, under +-5% step noise: the
     # preferred rule a is locked in >= 90% of tunings, where picking the fastest mean
