@@ -20,8 +20,8 @@ and decides when **the data decides**:
   or, from :data:`PAIRED_MIN_ROUNDS` (4) rounds, **paired by round**: the mean of
   ``log(rule / dense)`` over the rounds that timed both (seconds apart, so the load both
   saw cancels) is below ``log(1 - prefer_dense)`` and :data:`PAIRED_T` (3) standard errors
-  below 0 — standard errors of at least the spread pooled over every compressed rule
-  (:data:`PAIRED_POOLED`: one rule's spread from 4 rounds has 3 degrees of freedom, and with
+  below 0 — standard errors of at least the spread pooled over the compressed rules still in
+  play (:data:`PAIRED_POOLED`: one rule's spread from 4 rounds has 3 degrees of freedom, and with
   its own spread 3 standard errors locked an equal plan in 22 of 400 simulated tunings). At
   10 Gb/s, 2 ranks, the steps of two interleaved plans correlate by ~0.5 on this VM (per-step
   spread ~10%; paired log-ratio spread 8.3% where the unpaired difference has 12.7%), so the
@@ -38,10 +38,10 @@ and decides when **the data decides**:
   three candidates as fast as dense and +-20% uniform step noise, at most 4 of 100 seeded
   tunings may lock a compressed rule (tests/unit/test_autotuner_rules.py; 8 of 400 measured
   with the rank test, 1 of 400 before it and the round-2 drop; 10 of 400 with the paired
-  test; 8 of 400 with today's rules). Replayed on measured 10 Gb/s steps
+  test; 6 of 400 with today's rules). Replayed on measured 10 Gb/s steps
   (``bench/autotune_replay.py``, 400 tunings per row, a candidate ``a`` beside one 30%
   slower; bench/results/autotune_replay_s19.md, session 18's rules in brackets): ``a`` as
-  fast as dense is locked in 2 (14), 3% slower in 0 (2), 6.7% faster in 254 (163), 10%
+  fast as dense is locked in 7 (14), 3% slower in 0 (2), 6.7% faster in 284 (163), 10%
   faster in 397 (289), 12% faster in 400 (356);
 * **a decisive result stops earlier**: from round 2 on, when the fastest winner's every
   sample beats every dense sample by ``decisive`` (10%) and every other rule is dropped or
@@ -166,7 +166,7 @@ RANK_WIN = 0.85
 PAIRED_MIN_ROUNDS = 4
 #: ... the mean per-round ``log(rule / dense)`` must lie this many standard errors below 0
 PAIRED_T = 3.0
-#: the paired tests take at least the spread pooled over every compressed rule (see
+#: the paired test takes at least the spread pooled over the compressed rules in play (see
 #: :meth:`Autotuner._paired_sd`)
 PAIRED_POOLED = True
 #: a rule whose mean per-round ``log(rule / dense)`` lies this many standard errors above

@@ -79,7 +79,7 @@ class Planner:
         probe_sizes, probe_reps: the probe's two allreduce sizes (bytes) and repetitions.
         autotune: time real steps of the best few plans and lock in the fastest (only with
             ``probe``); off: the cost model's choice is final.
-        autotune_steps: steps per trial (>= 2; the first of each is not counted in the first round).
+        autotune_steps: steps per trial (>= 2; in the first round the first of each is not counted).
         autotune_trials: compressed plans tried besides all-dense.
         prefer_dense: a compressed plan must measure at least this much faster than dense.
 
