@@ -117,10 +117,7 @@ def rank_main(rank: int, world: int, args):
 
     specs = [s for s in args.specs.split(";") if s] if ";" in args.specs else args.specs.split(",")
     configs = configs_for(specs)
-    model_mb = ddp_step._one_bucket_mb(args)
-    args.one_bucket_mb = int(model_mb * 1.1) + 2
-    if args.bucket_cap_mb is None:
-        args.bucket_cap_mb = args.one_bucket_mb
+    ddp_step.set_one_bucket(args)
     cap = _Capture()
     for name, level in (("comms.planner", logging.INFO), ("comms.cost_model", logging.INFO),
                         ("comms.autotune", logging.DEBUG)):  # the trial steps, for --phases replays

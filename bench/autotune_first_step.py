@@ -64,9 +64,7 @@ def first_step_table(blocks: list[tuple[str, list[float]]]) -> list[str]:
 def rank_main(rank: int, world: int, args):
     from comms.autotune import Autotuner
 
-    args.one_bucket_mb = int(ddp_step._one_bucket_mb(args) * 1.1) + 2
-    if args.bucket_cap_mb is None:
-        args.bucket_cap_mb = args.one_bucket_mb
+    ddp_step.set_one_bucket(args)
     cfg = hooks.HookConfig(f"auto({hooks.short_label(args.spec, None)})", "ours", args.spec, "auto", None)
     run = ddp_step.StepRunner(cfg, args, rank, world)
     # one long phase: no early lock, no min_rounds decision before the budget

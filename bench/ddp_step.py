@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from comms.hook import RESIDUAL_DRAIN_STEPS  # noqa: E402
 
 __all__ = ["MODELS", "ResMLP", "StepRunner", "FloorRunner", "build_model", "interleaved_times", "make_batches",
+           "set_one_bucket",
            "measure", "main"]
 
 logger = logging.getLogger(__name__)
@@ -416,13 +417,20 @@ def _one_bucket_mb(args) -> float:
     return sum(p.numel() * p.element_size() for p in m.parameters()) / 2 ** 20
 
 
-def rank_main(rank: int, world: int, args) -> list[dict] | None:
-    configs, skipped = hooks.hook_configs()
-    configs = hooks.filter_configs(configs, args.hooks)
+def set_one_bucket(args) -> float:
+    """``args.one_bucket_mb``: a DDP bucket cap that holds the whole model (torch PowerSGD's
+    rows always get it), and ``args.bucket_cap_mb`` defaulted to it. Returns the model's MB."""
     model_mb = _one_bucket_mb(args)
     args.one_bucket_mb = math.ceil(model_mb * 1.1) + 1
     if args.bucket_cap_mb is None:
         args.bucket_cap_mb = args.one_bucket_mb
+    return model_mb
+
+
+def rank_main(rank: int, world: int, args) -> list[dict] | None:
+    configs, skipped = hooks.hook_configs()
+    configs = hooks.filter_configs(configs, args.hooks)
+    model_mb = set_one_bucket(args)
     numel = sum(p.numel() for p in build_model(args.model, args.width, args.depth).parameters())
     if rank == 0:
         print(f"# ddp_step: model={args.model} params={numel} ({model_mb:.1f} MB fp32) world={world} "

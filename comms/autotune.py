@@ -5,8 +5,8 @@ plans ("rules") — always all-dense, then the cost model's best few proposals �
 in rounds** (dense, A, B, dense, A, B, ...; each rule for ``steps_per_trial`` steps; in the
 first round the first step of each is not counted because a rule's first steps allocate, from
 the second round every step counts: a block's first step measured within 1-4% of the next
-ones), times every step, agrees on the timings across ranks after each round (one small allgather, MAX per step)
-and decides when **the data decides**:
+ones), times every step, agrees on the timings across ranks after each round (one small
+allgather, MAX per step) and decides when **the data decides**:
 
 * a rule whose every sample is slower than every dense sample is dropped — from round 2, two
   samples each at least: one slow step must not end a plan's trial (at 10 Gb/s one slow
