@@ -24,30 +24,22 @@ __all__ = ["Allgather", "allgather", "GatheredSum"]
 logger = logging.getLogger(__name__)
 
 
-def _sum_in_rank_order(compressor, ctx, payloads, out=None):
-    """Decode every payload and sum them in rank order: rank 0's decoded into the sum, the
-    others added to it (``out``: where the sum goes, its contents ignored; fp32/fp64 buckets
-    only). Decoding rank 0 straight into the sum instead of adding it into zeros skips a pass
-    that writes the whole bucket (9 ms of a 25M-element bucket on one core of the bench VM,
-    bench/results/profile_qsgd4_10gbit_s19.md); the bits are those of ``0 + d0 + d1 + ...``
-    except where every payload decodes to -0.0 (then -0.0, not +0.0) — every rank sums this way,
-    so the replicas stay identical."""
+def _sum_in_rank_order(compressor, ctx, payloads, acc=None):
+    """Decode every payload and add it into zeros, rank 0 first (``acc``: zeros of
+    ``ctx.dtype`` to sum into, fp32/fp64 buckets only)."""
     acc_dtype = torch.float32 if ctx.dtype in (torch.float16, torch.bfloat16) else ctx.dtype
-    if out is None:
-        out = buffers.empty(ctx.numel, acc_dtype, ctx.device)
-    if not payloads:
-        return out.zero_()
-    compressor.decompress_into(payloads[0], ctx.with_(rank=0, dtype=acc_dtype), out)
-    for r, p in enumerate(payloads[1:], start=1):
-        compressor.decompress_add_(p, ctx.with_(rank=r, dtype=acc_dtype), out)
-    return out if acc_dtype == ctx.dtype else out.to(ctx.dtype)
+    if acc is None:
+        acc = buffers.zeros(ctx.numel, acc_dtype, ctx.device)
+    for r, p in enumerate(payloads):
+        compressor.decompress_add_(p, ctx.with_(rank=r, dtype=acc_dtype), acc)
+    return acc if acc_dtype == ctx.dtype else acc.to(ctx.dtype)
 
 
 class GatheredSum(Deferred):
     """Every rank's payload, decoded and summed in rank order only where the hook writes it:
-    :meth:`into_` decodes rank 0's payload into the bucket and adds the others — the bits of
-    :meth:`materialize` copied into the bucket, without the bucket-sized temporary and the
-    copy (a bucket of fp16/bf16, summed in fp32, takes the materialized path)."""
+    :meth:`into_` zeroes the bucket and adds each payload into it — the bits of the sum into
+    zeros and its copy into the bucket, without the bucket-sized temporary and the copy (a
+    bucket of fp16/bf16, summed in fp32, takes the materialized path)."""
 
     __slots__ = ("compressor", "ctx", "payloads")
 
@@ -62,7 +54,7 @@ class GatheredSum(Deferred):
         if (ctx.dtype in (torch.float16, torch.bfloat16) or out.dtype != ctx.dtype
                 or not out.is_contiguous() or out.numel() != ctx.numel or out.device != ctx.device):
             return out.copy_(self.materialize())
-        _sum_in_rank_order(self.compressor, ctx, self.payloads, out=out.view(-1))
+        _sum_in_rank_order(self.compressor, ctx, self.payloads, acc=out.view(-1).zero_())
         return out
 
 
