@@ -107,7 +107,7 @@ from typing import Callable, Sequence
 from .algorithms import DENSE
 from .deadline import advice
 
-__all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S", "MAX_STEP_SECONDS",
+__all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S", "MAX_STEP_SECONDS", "MIN_STEP_SECONDS",
            "COUNT_EVERY_STEP_FROM", "PAIRED_DROP_T", "PAIRED_MIN_ROUNDS", "PAIRED_POOLED", "PAIRED_T", "RANK_MIN_SAMPLES", "RANK_WIN"]
 
 logger = logging.getLogger(__name__)
@@ -129,11 +129,15 @@ def _int_option(name: str, value, low: int) -> int:
 
 # no step of any training lasts this long: an agreed value beyond it is not a timing
 MAX_STEP_SECONDS = 1e6
+# nor this short (a step runs a backward and a collective: microseconds at the least); gloo's
+# garbage after a peer died is often zeros, and a zero timing reached the rules' log-ratios
+# as "math domain error" (CI, tests/dist/test_stuck_rank.py, topk auto/during trials-kill)
+MIN_STEP_SECONDS = 1e-9
 
 
 def check_step_seconds(values: list[float], what: str) -> list[float]:
     """``values`` (agreed step seconds, NaN = no sample) if each is NaN or in
-    ``[0, MAX_STEP_SECONDS)``; else raise.
+    ``[MIN_STEP_SECONDS, MAX_STEP_SECONDS)``; else raise.
 
     Once a peer has died, gloo can hand a collective back with garbage instead of an error;
     decided on, garbage timings fail deep in the rules (``statistics`` overflows on 1e300)
@@ -143,7 +147,7 @@ def check_step_seconds(values: list[float], what: str) -> list[float]:
         RuntimeError: ``"<what> returned ... : a peer died or disconnected ...; <advice>"``,
             the advice (restart from the last checkpoint) every failed collective ends with.
     """
-    bad = [v for v in values if not math.isnan(v) and not 0.0 <= v < MAX_STEP_SECONDS]
+    bad = [v for v in values if not math.isnan(v) and not MIN_STEP_SECONDS <= v < MAX_STEP_SECONDS]
     if bad:
         raise RuntimeError(f"{what} returned {bad[0]!r} where step seconds belong: a peer died or "
                            "disconnected (gloo can hand back garbage instead of an error); this "

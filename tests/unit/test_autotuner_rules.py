@@ -362,11 +362,12 @@ def test_plan_reports_model_error_per_tried_rule():
 def test_garbage_timings_raise_a_named_error_before_any_rule_sees_them():
     """After a peer dies gloo may hand the timing MAX-allgather back with garbage; the rules'
     ``statistics`` then overflowed ("integer division result too large for a float")."""
-    from comms.autotune import MAX_STEP_SECONDS, check_step_seconds
+    from comms.autotune import MAX_STEP_SECONDS, MIN_STEP_SECONDS, check_step_seconds
 
-    ok = [0.5, math.nan, 0.0, MAX_STEP_SECONDS * 0.999]
+    ok = [0.5, math.nan, MIN_STEP_SECONDS, 1e-4, MAX_STEP_SECONDS * 0.999]
     assert check_step_seconds(ok, "commpress: t") is ok
-    for bad in (1e300, -0.25, math.inf, MAX_STEP_SECONDS):
+    # zeros too: they reached the paired log-ratios as "math domain error" (a killed peer)
+    for bad in (1e300, -0.25, math.inf, MAX_STEP_SECONDS, 0.0, 5e-324):
         with pytest.raises(RuntimeError, match=r"^commpress: t returned .* a peer died") as e:
             check_step_seconds([0.5, bad], "commpress: t")
         # the same advice as every other failed collective: what to do next
