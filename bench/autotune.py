@@ -8,7 +8,10 @@ taken seconds apart; ``--interleave 0`` measures them one after another as earli
 
 For each compressor spec: ``dense`` (DDP's own allreduce), ``auto(<spec>)`` and
 ``<spec>@<alg>`` for every flat algorithm the compressor supports (the cost model proposes, the
-autotuner measures and locks). Step times: the median of ``--steps`` counted steps after a
+autotuner measures and locks), and torch's own hooks in the same rounds (``--torch-hooks``:
+``match``, the default, puts ``fp16_compress_hook`` beside an fp16 spec and ``powerSGD_hook`` of
+the same rank beside a PowerSGD spec; ``all`` puts torch-fp16 and torch-psgd-r1 in every group;
+``none``). Torch's rows are never a candidate for "the best fixed algorithm". Step times: the median of ``--steps`` counted steps after a
 warm-up (``--warmup`` steps, at least ``start_iter + 2``; auto then runs on until its tuner
 locked, so what is measured is its steady state; max over ranks), taken ``--rounds`` times per
 group in ABBA order (the machine is shared: its load drifts); the median of the rounds is
@@ -44,18 +47,21 @@ logger = logging.getLogger(__name__)
 COLUMNS = ["group", "hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB",
            "rounds_ms"]
 TUNING_COLUMNS = ["group", "round", "locked", "tuned", "retuned", "auto_ms", "dense_ms", "best_fixed",
-                  "best_fixed_ms", "vs_dense", "vs_best_fixed"]
+                  "best_fixed_ms", "vs_dense", "vs_best_fixed", "torch_hook", "vs_torch"]
+TORCH_HOOKS = ("match", "all", "none")
 # issue 12's targets for every tuning in steady state, and the decision's consistency
 MIN_VS_BEST_FIXED, MIN_VS_DENSE, MIN_SAME_DECISION = 0.95, 0.97, 0.8
 
 
-def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list) -> list[dict]:
+def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list, torch_rows: tuple = ()) -> list[dict]:
     """One row per tuning (= per round): what auto locked and its steady-state step against
-    dense and the best fixed compressed algorithm, both measured in the SAME round. The best
-    fixed algorithm is the one with the lowest median over all rounds (the minimum of several
-    noisy fixed rows within one round would be biased low)."""
+    dense, the best fixed compressed algorithm and torch's hook (the first of ``torch_rows``,
+    if any), all measured in the SAME round. The best fixed algorithm is the one with the
+    lowest median over all rounds (the minimum of several noisy fixed rows within one round
+    would be biased low)."""
     out = []
     auto_name = next(n for n in times if n.startswith("auto("))
+    th = torch_rows[0] if torch_rows else None
     best = min(fixed, key=lambda n: statistics.median(times[n])) if fixed else None
     for rnd, row in enumerate(autos):
         a, d = times[auto_name][rnd], times["dense"][rnd]
@@ -63,7 +69,8 @@ def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list) -> list[
         out.append({"group": spec_label, "round": rnd, "locked": row["algorithm"], "tuned": row.get("tuned", ""),
                     "retuned": "yes" if row.get("retuned") else "-",
                     "auto_ms": a, "dense_ms": d, "best_fixed": best or "-", "best_fixed_ms": b,
-                    "vs_dense": d / a, "vs_best_fixed": b / a})
+                    "vs_dense": d / a, "vs_best_fixed": b / a, "torch_hook": th or "-",
+                    "vs_torch": times[th][rnd] / a if th else float("nan")})
     return out
 
 
@@ -82,9 +89,27 @@ def tuning_verdict(rows: list[dict]) -> str:
             f"({ok(worst_fixed >= MIN_VS_BEST_FIXED)}), {worst_dense:.3f}x dense ({ok(worst_dense >= MIN_VS_DENSE)})")
 
 
-def configs_for(specs) -> list:
-    """Per spec: dense, ``auto``, every supported flat algorithm — each group measured back to
-    back, so a change of load on the shared machine between groups does not skew a ratio."""
+def torch_configs(comp, torch_hooks: str = "match") -> list:
+    """Torch's own hooks for a group (``--torch-hooks``): ``match`` gives torch's counterpart
+    of the compressor (``fp16_compress_hook`` for fp16, ``powerSGD_hook`` at the same rank for
+    PowerSGD, none for the others), ``all`` torch-fp16 and torch-psgd-r1, ``none`` nothing."""
+    if torch_hooks not in TORCH_HOOKS:
+        raise ValueError(f"--torch-hooks must be one of {TORCH_HOOKS}, got {torch_hooks!r}")
+    if torch_hooks == "all":
+        return [hooks.HookConfig("torch-fp16", "torch-fp16"),
+                hooks.HookConfig("torch-psgd-r1", "torch-powersgd", rank=1)]
+    if torch_hooks == "match" and comp.name == "fp16":
+        return [hooks.HookConfig("torch-fp16", "torch-fp16")]
+    if torch_hooks == "match" and comp.name == "powersgd":
+        r = comp.rank
+        return [hooks.HookConfig(f"torch-psgd-r{r}", "torch-powersgd", rank=r)]
+    return []
+
+
+def configs_for(specs, torch_hooks: str = "match") -> list:
+    """Per spec: dense, ``auto``, every supported flat algorithm and torch's hooks
+    (:func:`torch_configs`) — each group measured back to back, so a change of load on the
+    shared machine between groups does not skew a ratio."""
     import comms
     import compressors
 
@@ -94,6 +119,7 @@ def configs_for(specs) -> list:
         short = hooks.short_label(spec, None)
         out.append((spec, hooks.HookConfig("dense", "dense")))
         out.append((spec, hooks.HookConfig(f"auto({short})", "ours", spec, "auto", None)))
+        out += [(spec, c) for c in torch_configs(comp, torch_hooks)]
         for name, alg in comms.ALGORITHMS.items():
             if getattr(alg, "hierarchical", False) or not comp.supports(alg.family):
                 continue
@@ -116,7 +142,7 @@ def rank_main(rank: int, world: int, args):
     import torch
 
     specs = [s for s in args.specs.split(";") if s] if ";" in args.specs else args.specs.split(",")
-    configs = configs_for(specs)
+    configs = configs_for(specs, args.torch_hooks)
     ddp_step.set_one_bucket(args)
     cap = _Capture()
     for name, level in (("comms.planner", logging.INFO), ("comms.cost_model", logging.INFO),
@@ -160,8 +186,9 @@ def rank_main(rank: int, world: int, args):
                     print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms"
                           f"{locked}",
                           flush=True)
-        fixed = [c.name for _, c in group if c.kind != "dense" and c.algorithm != "auto"]
-        tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed)
+        fixed = [c.name for _, c in group if c.kind == "ours" and c.algorithm != "auto"]
+        torch_rows = tuple(c.name for _, c in group if c.kind.startswith("torch"))
+        tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed, torch_rows)
         per_tuning += tr
         verdicts.append(tuning_verdict(tr))
         for _, cfg in group:
@@ -224,7 +251,9 @@ def _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs,
         if not group:
             continue
         dense = next(r for r, c in group if c.kind == "dense")
-        best = min((r for r, c in group if c.algorithm != "auto"), key=lambda r: r["step_ms"])
+        # dense counts as a fixed choice here; torch's hooks do not (they are the comparison)
+        best = min((r for r, c in group if c.algorithm != "auto" and not c.kind.startswith("torch")),
+                   key=lambda r: r["step_ms"])
         for r, c in group:
             r["speedup"] = dense["step_ms"] / r["step_ms"]
             r["vs_best_fixed"] = best["step_ms"] / r["step_ms"]
@@ -280,6 +309,9 @@ def parser() -> argparse.ArgumentParser:
     p.description = __doc__.split("\n\n")[0]
     p.add_argument("--specs", default="fp16,powersgd:rank=1",
                    help="comma-separated compressor specs (use ';' if a spec has commas)")
+    p.add_argument("--torch-hooks", default="match", choices=TORCH_HOOKS,
+                   help="torch's own hooks in every group's rounds: match (fp16 beside fp16, "
+                        "powerSGD_hook of the same rank beside powersgd), all, none")
     p.add_argument("--rounds", type=int, default=2,
                    help="measure each group this many times (ABBA order); step_ms is the median")
     # --interleave (from ddp_step): a round's configurations interleaved in blocks of B steps;

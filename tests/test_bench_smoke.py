@@ -217,6 +217,24 @@ def test_step_times_replay_through_the_autotuner(tmp_path):
             assert int(a) + int(bc) < 10, lines
 
 
+def test_autotune_bench_puts_torch_hooks_beside_auto(tmp_path):
+    # one tuning of auto(powersgd r2) with torch's hooks in the same interleaved round: torch's
+    # rows are compared with (vs_torch), never taken for the best fixed algorithm
+    out = _run(["bench/autotune.py", "-n", "2", "--specs", "powersgd:rank=2", "--torch-hooks", "all",
+                "--steps", "4", "--rounds", "1", "--width", "256", "--depth", "2", "--out", str(tmp_path / "at")],
+               timeout=240)
+    md = (tmp_path / "at.md").read_text()
+    rows = {c[2]: c for c in (ln.split("|") for ln in md.splitlines() if ln.startswith("| powersgd-r2 | "))}
+    assert {"dense", "auto(powersgd-r2)", "torch-fp16", "torch-psgd-r1", "powersgd-r2@allreduce"} <= {
+        k.strip() for k in rows}, md
+    tuning = next(ln for ln in md.splitlines() if ln.startswith("| powersgd-r2 | 0 | "))
+    cells = [c.strip() for c in tuning.strip("|").split("|")]
+    assert cells[7] == "powersgd-r2@allreduce" and cells[11] == "torch-fp16", cells
+    auto_ms, torch_ms = float(cells[5]), float(rows[" torch-fp16 "][5])
+    assert float(cells[12]) == pytest.approx(torch_ms / auto_ms, rel=0.02)
+    assert "torch-fp16" not in out.split("of the best fixed choice (", 1)[1].split(")")[0]
+
+
 def test_first_step_bench_times_every_position_of_every_rule(tmp_path):
     # one long trial phase on loopback, blocks of 3: a row per rule with a median per block
     # position, round 1's steps, and the first-vs-rest log ratio over the later rounds
