@@ -11,7 +11,10 @@ For each compressor spec: ``dense`` (DDP's own allreduce), ``auto(<spec>)`` and
 autotuner measures and locks), and torch's own hooks in the same rounds (``--torch-hooks``:
 ``match``, the default, puts ``fp16_compress_hook`` beside an fp16 spec and ``powerSGD_hook`` of
 the same rank beside a PowerSGD spec; ``all`` puts torch-fp16 and torch-psgd-r1 in every group;
-``none``). Torch's rows are never a candidate for "the best fixed algorithm". Step times: the median of ``--steps`` counted steps after a
+``none``). Torch's rows are never a candidate for "the best fixed algorithm". The floors of
+the same rounds: ``no-comm floor`` (the same model trained without DDP on every rank at once,
+world size 1, in the round's interleaved blocks; ``--no-floor`` drops it) and each row's
+``raw_ms`` (one plain gloo allreduce sending the row's wire bytes, the last round's). Step times: the median of ``--steps`` counted steps after a
 warm-up (``--warmup`` steps, at least ``start_iter + 2``; auto then runs on until its tuner
 locked, so what is measured is its steady state; max over ranks), taken ``--rounds`` times per
 group in ABBA order (the machine is shared: its load drifts); the median of the rounds is
@@ -45,7 +48,7 @@ __all__ = ["configs_for", "rank_main", "main"]
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["group", "hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB",
-           "rounds_ms"]
+           "raw_ms", "rounds_ms"]
 TUNING_COLUMNS = ["group", "round", "locked", "tuned", "retuned", "auto_ms", "dense_ms", "best_fixed",
                   "best_fixed_ms", "vs_dense", "vs_best_fixed", "torch_hook", "vs_torch"]
 TORCH_HOOKS = ("match", "all", "none")
@@ -106,10 +109,11 @@ def torch_configs(comp, torch_hooks: str = "match") -> list:
     return []
 
 
-def configs_for(specs, torch_hooks: str = "match") -> list:
-    """Per spec: dense, ``auto``, every supported flat algorithm and torch's hooks
-    (:func:`torch_configs`) — each group measured back to back, so a change of load on the
-    shared machine between groups does not skew a ratio."""
+def configs_for(specs, torch_hooks: str = "match", floor: bool = False) -> list:
+    """Per spec: dense, ``auto``, every supported flat algorithm, torch's hooks
+    (:func:`torch_configs`) and with ``floor`` the no-communication floor (kind ``"floor"``) —
+    each group measured back to back, so a change of load on the shared machine between groups
+    does not skew a ratio."""
     import comms
     import compressors
 
@@ -120,6 +124,8 @@ def configs_for(specs, torch_hooks: str = "match") -> list:
         out.append((spec, hooks.HookConfig("dense", "dense")))
         out.append((spec, hooks.HookConfig(f"auto({short})", "ours", spec, "auto", None)))
         out += [(spec, c) for c in torch_configs(comp, torch_hooks)]
+        if floor:
+            out.append((spec, hooks.HookConfig(ddp_step.FLOOR, "floor")))
         for name, alg in comms.ALGORITHMS.items():
             if getattr(alg, "hierarchical", False) or not comp.supports(alg.family):
                 continue
@@ -142,7 +148,7 @@ def rank_main(rank: int, world: int, args):
     import torch
 
     specs = [s for s in args.specs.split(";") if s] if ";" in args.specs else args.specs.split(",")
-    configs = configs_for(specs, args.torch_hooks)
+    configs = configs_for(specs, args.torch_hooks, args.floor)
     ddp_step.set_one_bucket(args)
     cap = _Capture()
     for name, level in (("comms.planner", logging.INFO), ("comms.cost_model", logging.INFO),
@@ -210,7 +216,8 @@ def _sequential_round(cfgs, args, rank, world, auto_warmup, fixed_warmup) -> dic
     out = {}
     for cfg in cfgs:
         args.warmup = auto_warmup if cfg.algorithm == "auto" else fixed_warmup
-        out[cfg.name] = ddp_step.measure(cfg, args, rank, world)
+        out[cfg.name] = ddp_step.measure_floor(args, rank, world) if cfg.kind == "floor" \
+            else ddp_step.measure(cfg, args, rank, world)
     return out
 
 
@@ -228,16 +235,17 @@ def _interleaved_round(cfgs, args, rank, world, auto_warmup, fixed_warmup) -> di
     runners = []
     for cfg in cfgs:
         args.warmup = auto_warmup if cfg.algorithm == "auto" else fixed_warmup
-        run = ddp_step.StepRunner(cfg, args, rank, world)
+        run = ddp_step.FloorRunner(args, rank, world) if cfg.kind == "floor" \
+            else ddp_step.StepRunner(cfg, args, rank, world)
         run.warm_up()
         runners.append(run)
     tunings = [r.tunings() for r in runners]
     times = ddp_step.interleaved_times(runners, args.steps, args.interleave)
     out = {}
-    for run, ts, t0 in zip(runners, times, tunings):
+    for cfg, run, ts, t0 in zip(cfgs, runners, times, tunings):
         row = run.row(ts)
         row["retuned"] = run.tunings() > t0
-        out[run.cfg.name] = row
+        out[cfg.name] = row
     for run in runners:
         run.close()
     return out
@@ -251,8 +259,9 @@ def _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs,
         if not group:
             continue
         dense = next(r for r, c in group if c.kind == "dense")
-        # dense counts as a fixed choice here; torch's hooks do not (they are the comparison)
-        best = min((r for r, c in group if c.algorithm != "auto" and not c.kind.startswith("torch")),
+        # dense counts as a fixed choice here; torch's hooks do not (they are the comparison),
+        # nor the floor (no plan reaches it)
+        best = min((r for r, c in group if c.algorithm != "auto" and c.kind in ("dense", "ours")),
                    key=lambda r: r["step_ms"])
         for r, c in group:
             r["speedup"] = dense["step_ms"] / r["step_ms"]

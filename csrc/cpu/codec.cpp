@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
@@ -81,13 +82,28 @@ template <int DT> inline u32 mag_key(const void* p, i64 i) {
   return (u32)(static_cast<const u16*>(p)[i] & 0x7fff);
 }
 
+// f(u0, u1, t) for nth disjoint ranges of [0, units), range t on thread t (range 0 on the
+// caller). A thread that cannot be started (EAGAIN under a thread limit) leaves its range to
+// the caller, and started threads are joined however the caller's ranges end: a joinable
+// std::thread destroyed calls std::terminate ("terminate called without an active
+// exception"), which no caller could handle. Ranges and indices never depend on how many
+// threads started, so neither do the results.
 template <class F> void parallel_for(int nth, i64 units, F f) {
   if (nth > units) nth = (int)units;
   if (nth <= 1) { if (units > 0) f(0, units, 0); return; }
-  std::vector<std::thread> ts;
-  for (int t = 1; t < nth; ++t) ts.emplace_back(f, units * t / nth, units * (t + 1) / nth, t);
+  struct Joiner {
+    std::vector<std::thread> ts;
+    ~Joiner() { for (auto& th : ts) if (th.joinable()) th.join(); }
+  } j;
+  j.ts.reserve(nth - 1);
+  int started = 1;
+  try {
+    for (; started < nth; ++started)
+      j.ts.emplace_back(f, units * started / nth, units * (started + 1) / nth, started);
+  } catch (const std::system_error&) {
+  }
+  for (int t = started; t < nth; ++t) f(units * t / nth, units * (t + 1) / nth, t);
   f(0, units / nth, 0);
-  for (auto& th : ts) th.join();
 }
 
 i64 gcd64(i64 a, i64 b) { while (b) { i64 t = a % b; a = b; b = t; } return a; }
