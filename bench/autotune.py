@@ -14,11 +14,11 @@ the same rank beside a PowerSGD spec; ``all`` puts torch-fp16 and torch-psgd-r1 
 ``none``). Torch's rows are never a candidate for "the best fixed algorithm". The floors of
 the same rounds: ``no-comm floor`` (the same model trained without DDP on every rank at once,
 world size 1, in the round's interleaved blocks; ``--no-floor`` drops it) and each row's
-``raw_ms`` (one plain gloo allreduce sending the row's wire bytes, the last round's). Step times: the median of ``--steps`` counted steps after a
-warm-up (``--warmup`` steps, at least ``start_iter + 2``; auto then runs on until its tuner
-locked, so what is measured is its steady state; max over ranks), taken ``--rounds`` times per
-group in ABBA order (the machine is shared: its load drifts); the median of the rounds is
-reported.
+``raw_ms`` (one plain gloo allreduce sending the row's wire bytes, the last round's).
+Step times: the median of ``--steps`` counted steps after a warm-up (``--warmup`` steps, at
+least ``start_iter + 2``; auto then runs on until its tuner locked, so what is measured is its
+steady state; max over ranks), taken ``--rounds`` times per group in ABBA order (the machine is
+shared: its load drifts); the median of the rounds is reported.
 The autotuner's trial table (rank 0, from its log) is printed after the step table.
 
     python bench/autotune.py -n 2 --netsim 10gbit --specs fp16,powersgd:rank=1

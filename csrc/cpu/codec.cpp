@@ -84,10 +84,10 @@ template <int DT> inline u32 mag_key(const void* p, i64 i) {
 
 // f(u0, u1, t) for nth disjoint ranges of [0, units), range t on thread t (range 0 on the
 // caller). A thread that cannot be started (EAGAIN under a thread limit) leaves its range to
-// the caller, and started threads are joined however the caller's ranges end: a joinable
-// std::thread destroyed calls std::terminate ("terminate called without an active
-// exception"), which no caller could handle. Ranges and indices never depend on how many
-// threads started, so neither do the results.
+// the caller, and started threads are joined however the caller's ranges end: before, the
+// std::system_error left here past joinable threads and ctypes' C frames, and the process
+// aborted in std::terminate (tests/unit/test_cpu_kernels_threads.py). Ranges and indices never
+// depend on how many threads started, so neither do the results.
 template <class F> void parallel_for(int nth, i64 units, F f) {
   if (nth > units) nth = (int)units;
   if (nth <= 1) { if (units > 0) f(0, units, 0); return; }
