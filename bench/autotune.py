@@ -96,16 +96,10 @@ def torch_configs(comp, torch_hooks: str = "match") -> list:
     """Torch's own hooks for a group (``--torch-hooks``): ``match`` gives torch's counterpart
     of the compressor (``fp16_compress_hook`` for fp16, ``powerSGD_hook`` at the same rank for
     PowerSGD, none for the others), ``all`` torch-fp16 and torch-psgd-r1, ``none`` nothing."""
-    if torch_hooks not in TORCH_HOOKS:
-        raise ValueError(f"--torch-hooks must be one of {TORCH_HOOKS}, got {torch_hooks!r}")
     if torch_hooks == "all":
-        return [hooks.HookConfig("torch-fp16", "torch-fp16"),
-                hooks.HookConfig("torch-psgd-r1", "torch-powersgd", rank=1)]
-    if torch_hooks == "match" and comp.name == "fp16":
-        return [hooks.HookConfig("torch-fp16", "torch-fp16")]
-    if torch_hooks == "match" and comp.name == "powersgd":
-        r = comp.rank
-        return [hooks.HookConfig(f"torch-psgd-r{r}", "torch-powersgd", rank=r)]
+        return [hooks.torch_hook("fp16"), hooks.torch_hook("powersgd", 1)]
+    if torch_hooks == "match" and comp.name in ("fp16", "powersgd"):
+        return [hooks.torch_hook(comp.name, getattr(comp, "rank", 0))]
     return []
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["HookConfig", "OURS", "AUTO_SPECS", "DEFAULT_SPECS", "short_label", "hook_configs",
+__all__ = ["HookConfig", "torch_hook", "OURS", "AUTO_SPECS", "DEFAULT_SPECS", "short_label", "hook_configs",
            "filter_configs", "attach_hook"]
 
 
@@ -95,6 +95,16 @@ def _try_state(spec: str, algorithm: str | None, ef: bool | None):
         return None, str(e).splitlines()[0]
 
 
+def torch_hook(name: str, rank: int = 0) -> HookConfig:
+    """Torch's own hook as a configuration: ``"fp16"`` (``fp16_compress_hook``, named
+    ``torch-fp16``) or ``"powersgd"`` (``powerSGD_hook`` at ``rank``, ``torch-psgd-r<rank>``)."""
+    if name == "fp16":
+        return HookConfig("torch-fp16", "torch-fp16")
+    if name == "powersgd":
+        return HookConfig(f"torch-psgd-r{rank}", "torch-powersgd", rank=rank)
+    raise ValueError(f"torch has no {name!r} hook here (fp16 or powersgd)")
+
+
 def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
                  auto: bool = True, auto_specs: Sequence = AUTO_SPECS,
                  defaults: Sequence = DEFAULT_SPECS
@@ -113,9 +123,7 @@ def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
     configs = [HookConfig("dense", "dense")]
     skipped: list[tuple[str, str]] = []
     if torch_hooks:
-        configs += [HookConfig("torch-fp16", "torch-fp16"),
-                    HookConfig("torch-psgd-r1", "torch-powersgd", rank=1),
-                    HookConfig("torch-psgd-r4", "torch-powersgd", rank=4)]
+        configs += [torch_hook("fp16"), torch_hook("powersgd", 1), torch_hook("powersgd", 4)]
     for spec in defaults:
         name = compressors.parse_spec(spec)[0]
         st, why = _try_state(spec, "auto", None) if name in compressors.REGISTRY else (None, "not installed")
