@@ -15,6 +15,9 @@ the same rank beside a PowerSGD spec; ``all`` puts torch-fp16 and torch-psgd-r1 
 the same rounds: ``no-comm floor`` (the same model trained without DDP on every rank at once,
 world size 1, in the round's interleaved blocks; ``--no-floor`` drops it) and each row's
 ``raw_ms`` (one plain gloo allreduce sending the row's wire bytes, the last round's).
+``--control ALG`` adds a second, identical ``<spec>@ALG`` row (``... (copy)``), never a
+candidate either: its per-round ratio to the first copy (``copy_vs_pin``) is what the same
+plan measures against itself in one round, the noise floor under every per-tuning ratio.
 Step times: the median of ``--steps`` counted steps after a warm-up (``--warmup`` steps, at
 least ``start_iter + 2``; auto then runs on until its tuner locked, so what is measured is its
 steady state; max over ranks), taken ``--rounds`` times per group in ABBA order (the machine is
@@ -50,22 +53,26 @@ logger = logging.getLogger(__name__)
 COLUMNS = ["group", "hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB",
            "raw_ms", "rounds_ms"]
 TUNING_COLUMNS = ["group", "round", "locked", "tuned", "retuned", "auto_ms", "dense_ms", "best_fixed",
-                  "best_fixed_ms", "vs_dense", "vs_best_fixed", "torch_hook", "vs_torch"]
+                  "best_fixed_ms", "vs_dense", "vs_best_fixed", "torch_hook", "vs_torch", "copy_vs_pin"]
+COPY = " (copy)"  # --control: the name suffix of the identical second row
 TORCH_HOOKS = ("match", "all", "none")
 # issue 12's targets for every tuning in steady state, and the decision's consistency
 MIN_VS_BEST_FIXED, MIN_VS_DENSE, MIN_SAME_DECISION = 0.95, 0.97, 0.8
 
 
-def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list, torch_rows: tuple = ()) -> list[dict]:
+def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list, torch_rows: tuple = (),
+                copies: tuple = ()) -> list[dict]:
     """One row per tuning (= per round): what auto locked and its steady-state step against
     dense, the best fixed compressed algorithm and torch's hook (the first of ``torch_rows``,
     if any), all measured in the SAME round. The best fixed algorithm is the one with the
     lowest median over all rounds (the minimum of several noisy fixed rows within one round
-    would be biased low)."""
+    would be biased low). ``copies`` (``--control``): the name of an identical second row of a
+    fixed plan; ``copy_vs_pin`` is the first row's step over the copy's, the same round."""
     out = []
     auto_name = next(n for n in times if n.startswith("auto("))
     th = torch_rows[0] if torch_rows else None
     best = min(fixed, key=lambda n: statistics.median(times[n])) if fixed else None
+    copy = copies[0] if copies else None
     for rnd, row in enumerate(autos):
         a, d = times[auto_name][rnd], times["dense"][rnd]
         b = times[best][rnd] if best else float("nan")
@@ -73,7 +80,8 @@ def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list, torch_ro
                     "retuned": "yes" if row.get("retuned") else "-",
                     "auto_ms": a, "dense_ms": d, "best_fixed": best or "-", "best_fixed_ms": b,
                     "vs_dense": d / a, "vs_best_fixed": b / a, "torch_hook": th or "-",
-                    "vs_torch": times[th][rnd] / a if th else float("nan")})
+                    "vs_torch": times[th][rnd] / a if th else float("nan"),
+                    "copy_vs_pin": (times[copy[: -len(COPY)]][rnd] / times[copy][rnd]) if copy else float("nan")})
     return out
 
 
@@ -87,9 +95,13 @@ def tuning_verdict(rows: list[dict]) -> str:
     worst_fixed = min(r["vs_best_fixed"] for r in rows)
     worst_dense = min(r["vs_dense"] for r in rows)
     ok = lambda c: "met" if c else "MISSED"  # noqa: E731
+    copies = [r["copy_vs_pin"] for r in rows if r.get("copy_vs_pin") == r.get("copy_vs_pin")]  # not nan
+    control = (f"; an identical plan against itself, per round: {min(copies):.3f}-{max(copies):.3f}x"
+               if copies else "")
     return (f"{rows[0]['group']}: locked {dict(decisions)} — same decision {n}/{len(rows)} "
             f"({ok(n >= MIN_SAME_DECISION * len(rows))}); worst tuning {worst_fixed:.3f}x the best fixed "
-            f"({ok(worst_fixed >= MIN_VS_BEST_FIXED)}), {worst_dense:.3f}x dense ({ok(worst_dense >= MIN_VS_DENSE)})")
+            f"({ok(worst_fixed >= MIN_VS_BEST_FIXED)}), {worst_dense:.3f}x dense ({ok(worst_dense >= MIN_VS_DENSE)})"
+            + control)
 
 
 def torch_configs(comp, torch_hooks: str = "match") -> list:
@@ -103,11 +115,12 @@ def torch_configs(comp, torch_hooks: str = "match") -> list:
     return []
 
 
-def configs_for(specs, torch_hooks: str = "match", floor: bool = False) -> list:
+def configs_for(specs, torch_hooks: str = "match", floor: bool = False, control: str | None = None) -> list:
     """Per spec: dense, ``auto``, every supported flat algorithm, torch's hooks
-    (:func:`torch_configs`) and with ``floor`` the no-communication floor (kind ``"floor"``) —
-    each group measured back to back, so a change of load on the shared machine between groups
-    does not skew a ratio."""
+    (:func:`torch_configs`), with ``floor`` the no-communication floor (kind ``"floor"``) and
+    with ``control`` (an algorithm name) a second identical ``<spec>@<control>`` row named
+    ``... (copy)``, last in the group — each group measured back to back, so a change of load on
+    the shared machine between groups does not skew a ratio."""
     import comms
     import compressors
 
@@ -124,6 +137,8 @@ def configs_for(specs, torch_hooks: str = "match", floor: bool = False) -> list:
             if getattr(alg, "hierarchical", False) or not comp.supports(alg.family):
                 continue
             out.append((spec, hooks.HookConfig(f"{short}@{name}", "ours", spec, name, None)))
+        if control is not None and any(c.name == f"{short}@{control}" for s, c in out if s == spec):
+            out.append((spec, hooks.HookConfig(f"{short}@{control}{COPY}", "ours", spec, control, None)))
     return out
 
 
@@ -142,7 +157,7 @@ def rank_main(rank: int, world: int, args):
     import torch
 
     specs = [s for s in args.specs.split(";") if s] if ";" in args.specs else args.specs.split(",")
-    configs = configs_for(specs, args.torch_hooks, args.floor)
+    configs = configs_for(specs, args.torch_hooks, args.floor, args.control)
     ddp_step.set_one_bucket(args)
     cap = _Capture()
     for name, level in (("comms.planner", logging.INFO), ("comms.cost_model", logging.INFO),
@@ -186,9 +201,10 @@ def rank_main(rank: int, world: int, args):
                     print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms"
                           f"{locked}",
                           flush=True)
-        fixed = [c.name for _, c in group if c.kind == "ours" and c.algorithm != "auto"]
+        fixed = [c.name for _, c in group if c.kind == "ours" and c.algorithm != "auto" and not c.name.endswith(COPY)]
         torch_rows = tuple(c.name for _, c in group if c.kind.startswith("torch"))
-        tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed, torch_rows)
+        copies = tuple(c.name for _, c in group if c.name.endswith(COPY))
+        tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed, torch_rows, copies)
         per_tuning += tr
         verdicts.append(tuning_verdict(tr))
         for _, cfg in group:
@@ -255,8 +271,8 @@ def _report(rank, world, args, specs, rows, configs, per_tuning, verdicts, logs,
         dense = next(r for r, c in group if c.kind == "dense")
         # dense counts as a fixed choice here; torch's hooks do not (they are the comparison),
         # nor the floor (no plan reaches it)
-        best = min((r for r, c in group if c.algorithm != "auto" and c.kind in ("dense", "ours")),
-                   key=lambda r: r["step_ms"])
+        best = min((r for r, c in group if c.algorithm != "auto" and c.kind in ("dense", "ours")
+                    and not c.name.endswith(COPY)), key=lambda r: r["step_ms"])
         for r, c in group:
             r["speedup"] = dense["step_ms"] / r["step_ms"]
             r["vs_best_fixed"] = best["step_ms"] / r["step_ms"]
@@ -315,6 +331,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-hooks", default="match", choices=TORCH_HOOKS,
                    help="torch's own hooks in every group's rounds: match (fp16 beside fp16, "
                         "powerSGD_hook of the same rank beside powersgd), all, none")
+    p.add_argument("--control", default=None, metavar="ALG",
+                   help="add an identical second <spec>@ALG row per group (the same plan measured "
+                        "against itself in each round: the noise floor of the per-tuning ratios)")
     p.add_argument("--rounds", type=int, default=2,
                    help="measure each group this many times (ABBA order); step_ms is the median")
     # --interleave (from ddp_step): a round's configurations interleaved in blocks of B steps;

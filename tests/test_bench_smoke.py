@@ -218,16 +218,17 @@ def test_step_times_replay_through_the_autotuner(tmp_path):
 
 
 def test_autotune_bench_puts_torch_hooks_beside_auto(tmp_path):
-    # one tuning of auto(powersgd r2) with torch's hooks and the no-communication floor in the
-    # same interleaved round: torch's rows are compared with (vs_torch), never taken for the
-    # best fixed algorithm, nor is the floor
+    # one tuning of auto(powersgd r2) with torch's hooks, the no-communication floor and a copy of
+    # the pinned plan (--control) in the same interleaved round: torch's rows are compared with
+    # (vs_torch), the copy with its original (copy_vs_pin); neither the floor nor the copy is
+    # taken for the best fixed algorithm
     out = _run(["bench/autotune.py", "-n", "2", "--specs", "powersgd:rank=2", "--torch-hooks", "all",
-                "--steps", "4", "--rounds", "1", "--width", "256", "--depth", "2", "--out", str(tmp_path / "at")],
-               timeout=240)
+                "--control", "allreduce", "--steps", "4", "--rounds", "1", "--width", "256", "--depth", "2",
+                "--out", str(tmp_path / "at")], timeout=240)
     md = (tmp_path / "at.md").read_text()
     rows = {c[2]: c for c in (ln.split("|") for ln in md.splitlines() if ln.startswith("| powersgd-r2 | "))}
     assert {"dense", "auto(powersgd-r2)", "torch-fp16", "torch-psgd-r1", "powersgd-r2@allreduce",
-            "no-comm floor"} <= {k.strip() for k in rows}, md
+            "powersgd-r2@allreduce (copy)", "no-comm floor"} <= {k.strip() for k in rows}, md
     # the floors of the same round: world size 1 beats dense; dense's bytes have a raw wire time
     assert float(rows[" no-comm floor "][5]) < float(rows[" dense "][5])
     assert float(rows[" dense "][10]) > 0
@@ -236,6 +237,9 @@ def test_autotune_bench_puts_torch_hooks_beside_auto(tmp_path):
     assert cells[7] == "powersgd-r2@allreduce" and cells[11] == "torch-fp16", cells
     auto_ms, torch_ms = float(cells[5]), float(rows[" torch-fp16 "][5])
     assert float(cells[12]) == pytest.approx(torch_ms / auto_ms, rel=0.02)
+    pin_ms, copy_ms = float(rows[" powersgd-r2@allreduce "][5]), float(rows[" powersgd-r2@allreduce (copy) "][5])
+    assert float(cells[13]) == pytest.approx(pin_ms / copy_ms, rel=0.02)
+    assert "an identical plan against itself, per round" in out
     best = out.split("of the best fixed choice (", 1)[1].split(")")[0]
     assert best in ("dense", "powersgd-r2@allreduce"), best
 
