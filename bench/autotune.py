@@ -15,8 +15,8 @@ the same rank beside a PowerSGD spec; ``all`` puts torch-fp16 and torch-psgd-r1 
 the same rounds: ``no-comm floor`` (the same model trained without DDP on every rank at once,
 world size 1, in the round's interleaved blocks; ``--no-floor`` drops it) and each row's
 ``raw_ms`` (one plain gloo allreduce sending the row's wire bytes, the last round's).
-``--control ALG`` adds a second, identical ``<spec>@ALG`` row (``... (copy)``), never a
-candidate either: its per-round ratio to the first copy (``copy_vs_pin``) is what the same
+``--control ALG`` adds a second, identical ``<spec>@ALG`` row (``--control dense``: of
+dense) named ``... (copy)``, never a candidate either: its per-round ratio to the first copy (``copy_vs_pin``) is what the same
 plan measures against itself in one round, the noise floor under every per-tuning ratio.
 Step times: the median of ``--steps`` counted steps after a warm-up (``--warmup`` steps, at
 least ``start_iter + 2``; auto then runs on until its tuner locked, so what is measured is its
@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import statistics
@@ -118,8 +119,8 @@ def torch_configs(comp, torch_hooks: str = "match") -> list:
 def configs_for(specs, torch_hooks: str = "match", floor: bool = False, control: str | None = None) -> list:
     """Per spec: dense, ``auto``, every supported flat algorithm, torch's hooks
     (:func:`torch_configs`), with ``floor`` the no-communication floor (kind ``"floor"``) and
-    with ``control`` (an algorithm name) a second identical ``<spec>@<control>`` row named
-    ``... (copy)``, last in the group — each group measured back to back, so a change of load on
+    with ``control`` (an algorithm name, or ``"dense"``) a second identical row of
+    ``<spec>@<control>`` (or of dense) named ``... (copy)``, last in the group — each group measured back to back, so a change of load on
     the shared machine between groups does not skew a ratio."""
     import comms
     import compressors
@@ -137,8 +138,10 @@ def configs_for(specs, torch_hooks: str = "match", floor: bool = False, control:
             if getattr(alg, "hierarchical", False) or not comp.supports(alg.family):
                 continue
             out.append((spec, hooks.HookConfig(f"{short}@{name}", "ours", spec, name, None)))
-        if control is not None and any(c.name == f"{short}@{control}" for s, c in out if s == spec):
-            out.append((spec, hooks.HookConfig(f"{short}@{control}{COPY}", "ours", spec, control, None)))
+        target = "dense" if control == "dense" else f"{short}@{control}"
+        pinned = [c for s, c in out if s == spec and c.name == target]
+        if control is not None and pinned:
+            out.append((spec, dataclasses.replace(pinned[0], name=target + COPY)))
     return out
 
 
@@ -332,8 +335,9 @@ def parser() -> argparse.ArgumentParser:
                    help="torch's own hooks in every group's rounds: match (fp16 beside fp16, "
                         "powerSGD_hook of the same rank beside powersgd), all, none")
     p.add_argument("--control", default=None, metavar="ALG",
-                   help="add an identical second <spec>@ALG row per group (the same plan measured "
-                        "against itself in each round: the noise floor of the per-tuning ratios)")
+                   help="add an identical second <spec>@ALG row (or of dense: --control dense) per "
+                        "group: the same plan against itself in each round, the noise floor of the "
+                        "per-tuning ratios")
     p.add_argument("--rounds", type=int, default=2,
                    help="measure each group this many times (ABBA order); step_ms is the median")
     # --interleave (from ddp_step): a round's configurations interleaved in blocks of B steps;
