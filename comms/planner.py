@@ -121,6 +121,7 @@ class Planner:
         self.use_hierarchy = hierarchical
         self.probe, self.probe_sizes, self.probe_reps = bool(probe), probe_sizes, probe_reps
         self._ndims: dict[tuple, list] = {}
+        self._shapes: dict[tuple, tuple] = {}  # bucket key -> its tensor shapes (refine's compute)
         self.comm: Communicator | None = None
         self.ready = False
         self._rows: dict[tuple, PlanRow] = {}
@@ -165,9 +166,12 @@ class Planner:
         if self._own_model and not self._refined and not locked and self.comm is not None:
             buckets = {(n, dt) for (_, n, dt) in self._seen_prev} | {(numel, dtype)}
             self._refined = True
+            # the largest bucket's tensor shapes (the same on every rank: DDP's buckets are)
+            seen = [k for k in self._seen_prev if k in self._shapes]
+            shapes = self._shapes[max(seen, key=lambda k: (k[1], -k[0]))] if seen else None
             self.model = self.model.refine(self.comm, self.compressor,
                                            sorted(buckets, key=lambda b: (b[0], str(b[1]))),
-                                           self.candidate_names())
+                                           self.candidate_names(), shapes=shapes)
             self._rows.clear()
         if self.tuner is None:
             return
@@ -240,11 +244,15 @@ class Planner:
         return names
 
     def observe(self, bucket_index: int, numel: int, dtype: torch.dtype, bucket) -> None:
-        """Remember the tensor ranks of a DDP bucket not planned yet (for the 1-D rule)."""
+        """Remember the tensor ranks (for the 1-D rule) and shapes (for :meth:`refine`'s
+        compute timing) of a DDP bucket not planned yet."""
         key = (bucket_index, numel, dtype)
         self._seen_cur.append(key)
         if key not in self._rows and key not in self._ndims:
-            self._ndims[key] = [p.dim() for p in bucket.parameters()]
+            params = bucket.parameters()
+            self._ndims[key] = [p.dim() for p in params]
+            if sum(p.numel() for p in params) == numel:  # the layout the hook sees (shapes known)
+                self._shapes[key] = tuple(tuple(p.shape) for p in params)
 
     def choose(self, bucket_index: int, numel: int, dtype: torch.dtype = torch.float32,
                ndims: Sequence[int] | None = None) -> str:

@@ -12,6 +12,7 @@ from comms.algorithms.allreduce import payload_dtype
 from comms.communicator import LocalCommunicator
 from comms.cost_model import HOOK_PASSES, ComputeCost, CostModel, TierCost
 from comms.planner import Planner
+from comms.probe import shaped_sample
 
 
 def test_wire_dtype_bandwidth_is_charged():
@@ -57,6 +58,67 @@ def test_refine_on_one_rank_times_compute_at_bucket_size():
     cc = r.compute[comp.spec()]
     assert r.mem_per_element > 0 and cc.compress_per_element >= 0 and cc.compress(1 << 18) > 0
     assert r.tiers["flat"].betas == {}  # one rank: nothing to probe, nothing hangs
+
+
+def test_shaped_sample_takes_whole_leading_tensors():
+    mlp = ((2048,), (2048, 2048), (2048,), (2048, 2048))
+    assert shaped_sample(mlp, 1 << 22) == ((2048,), (2048, 2048))  # first prefix >= 4M elements
+    assert shaped_sample(mlp, 1 << 30) == mlp  # the whole bucket when it is smaller
+    assert shaped_sample(((10,), (2048, 2048)), 5) == ()  # a prefix of 1-D tensors: nothing to time
+    assert shaped_sample([torch.Size([3, 4, 5])], 1) == ((3, 4, 5),)
+
+
+def test_refine_times_a_shape_bound_compressor_on_the_bucket_tensors(monkeypatch):
+    # PowerSGD factorizes each weight matrix: with the bucket's shapes it is timed on its
+    # leading tensors (passed in ctx.shapes) and costed per element of that sample, no fixed part
+    import comms.probe as probe_mod
+
+    psgd, qsgd = compressors.from_spec("powersgd:rank=1"), compressors.from_spec("qsgd:bits=8")
+    timed = []
+
+    def fake(comp, shapes, reps):
+        timed.append((comp.spec(), shapes))
+        return [0.5, 0.0]
+
+    monkeypatch.setattr(probe_mod, "_time_shaped_compute", fake)
+    m = CostModel({"flat": TierCost("flat", 1, 0.0, 1e9)})
+    shapes = ((64,), (64, 64), (64, 32))
+    r = m.refine(LocalCommunicator(), psgd, [(64 + 64 * 64 + 64 * 32, torch.float32)], ["allreduce"],
+                 compute_numel=1000, shapes=shapes)
+    assert timed == [(psgd.spec(), ((64,), (64, 64)))]
+    assert r.compute[psgd.spec()] == ComputeCost(0.0, 0.5 / (64 + 64 * 64), 0.0, 0.0)
+    # elementwise compressors (and PowerSGD without shapes) keep the flat two-size fit
+    m.refine(LocalCommunicator(), qsgd, [(1 << 16, torch.float32)], ["allgather"], compute_numel=1 << 16,
+             shapes=((256, 256),))
+    m.refine(LocalCommunicator(), psgd, [(1 << 16, torch.float32)], ["allreduce"], compute_numel=1 << 16)
+    assert len(timed) == 1
+
+
+def test_planner_refines_with_the_largest_buckets_shapes(monkeypatch):
+    got = []
+
+    def refine(self, comm, compressor, buckets, algorithms, **kw):
+        got.append((buckets, kw.get("shapes")))
+        return self
+
+    class Bucket:
+        def __init__(self, *shapes):
+            self.params = [torch.zeros(sh) for sh in shapes]
+
+        def parameters(self):
+            return self.params
+
+    monkeypatch.setattr(CostModel, "refine", refine)
+    comp = compressors.from_spec("powersgd:rank=1")
+    p = Planner(comp, cost_model=CostModel({"flat": TierCost("flat", 2, 1e-3, 1e9)}), autotune=False)
+    p.ready, p.comm, p._own_model = True, LocalCommunicator(), True
+    small, big = Bucket((8,), (8, 8)), Bucket((32,), (32, 16), (32, 32))
+    p.begin_step(0, 1, 72, torch.float32)
+    p.observe(0, 72, torch.float32, small)
+    p.observe(1, 32 + 512 + 1024, torch.float32, big)
+    assert got == []  # before start_iter: nothing measured
+    p.begin_step(1, 1, 72, torch.float32)
+    assert got == [([(72, torch.float32), (1568, torch.float32)], ((32,), (32, 16), (32, 32)))]
 
 
 def _planner(beta16, spec="fp16", **kw):
