@@ -16,11 +16,12 @@ the same rounds: ``no-comm floor`` (the same model trained without DDP on every 
 world size 1, in the round's interleaved blocks; ``--no-floor`` drops it) and each row's
 ``raw_ms`` (one plain gloo allreduce sending the row's wire bytes, the last round's).
 ``--control ALG`` adds a second, identical ``<spec>@ALG`` row (``--control dense``: of
-dense) named ``... (copy)``, never a candidate either: its per-round ratio to the first copy (``copy_vs_pin``) is what the same
-plan measures against itself in one round, the noise floor under every per-tuning ratio.
-Step times: the median of ``--steps`` counted steps after a warm-up (``--warmup`` steps, at
-least ``start_iter + 2``; auto then runs on until its tuner locked, so what is measured is its
-steady state; max over ranks), taken ``--rounds`` times per group in ABBA order (the machine is
+dense) named ``... (copy)``, never a candidate either: its per-round ratio to the first copy
+(``copy_vs_pin``) is what the same plan measures against itself in one round, the noise floor
+under every per-tuning ratio.
+Step times: the median of ``--steps`` counted steps after a warm-up (``--warmup`` steps for
+auto, at least ``start_iter + 2``, and auto then runs on until its tuner locked, so what is
+measured is its steady state; ``--fixed-warmup`` steps for the other rows; max over ranks), taken ``--rounds`` times per group in ABBA order (the machine is
 shared: its load drifts); the median of the rounds is reported.
 The autotuner's trial table (rank 0, from its log) is printed after the step table.
 
@@ -175,7 +176,7 @@ def rank_main(rank: int, world: int, args):
               f"threads/rank={torch.get_num_threads()} link={args.link}", flush=True)
     rows, logs, per_tuning, verdicts = [], {}, [], []
     auto_warmup = args.warmup
-    fixed_warmup = args.start_iter + 2
+    fixed_warmup = args.fixed_warmup if args.fixed_warmup is not None else args.start_iter + 2
     for spec in specs:
         group = [(s, c) for s, c in configs if s == spec]
         times: dict[str, list] = {c.name: [] for _, c in group}
@@ -338,6 +339,10 @@ def parser() -> argparse.ArgumentParser:
                    help="add an identical second <spec>@ALG row (or of dense: --control dense) per "
                         "group: the same plan against itself in each round, the noise floor of the "
                         "per-tuning ratios")
+    p.add_argument("--fixed-warmup", type=int, default=None, metavar="N",
+                   help="warm-up steps of every row but auto's (default start_iter + 2; auto runs "
+                        "until its tuner locked: 8-40 steps): N ~ 40 compares plans whose error "
+                        "feedback is as far from its start as auto's")
     p.add_argument("--rounds", type=int, default=2,
                    help="measure each group this many times (ABBA order); step_ms is the median")
     # --interleave (from ddp_step): a round's configurations interleaved in blocks of B steps;
