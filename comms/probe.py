@@ -118,7 +118,7 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
     comps = [compressor] if compressor is not None else []
     sample = shaped_sample(shapes, compute_numel) if shapes and comps and _shape_bound(comps[0]) else None
     for comp in comps:
-        vec += _time_shaped_compute(comp, sample, 2) if sample else _time_compute(comp, numels, 2)
+        vec += _time_compute(comp, (_numel(sample),), 2, sample) if sample else _time_compute(comp, numels, 2)
     vals = allreduce_max(comm, torch.tensor(vec, dtype=torch.float64), f"commpress: cost-model probe MAX-allgather on rank {comm.rank} of {comm.world_size}").tolist()
     tiers = dict(model.tiers)
     for ((tier, op, dt), nbytes), t in zip(entries, vals):
@@ -129,8 +129,7 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
     mem = vals[len(entries)] / numels[1] if math.isfinite(vals[len(entries)]) else 0.0
     compute = dict(model.compute)
     if sample:
-        compute.update(_per_element_compute(comps[0], sum(math.prod(sh) for sh in sample),
-                                            vals[len(entries) + 1:]))
+        compute.update(_per_element_compute(comps[0], _numel(sample), vals[len(entries) + 1:]))
     else:
         compute.update(_fit_compute(comps, numels, vals[len(entries) + 1:]))
     out = CostModel(tiers, compute, model.local_size, mem)
@@ -175,18 +174,8 @@ def _shape_bound(comp: Compressor) -> bool:
     return comp.allreduce_rounds > 1
 
 
-def _time_shaped_compute(comp: Compressor, shapes, reps: int) -> list[float]:
-    """[compress seconds, decompress seconds] of one bucket of ``shapes`` (see
-    :func:`_time_compute` for multi-round protocols and failures)."""
-    try:
-        n = sum(math.prod(sh) for sh in shapes)
-        x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-        ctx = Context(numel=n, dtype=x.dtype, device=x.device, shapes=tuple(shapes))
-        local, alg = LocalCommunicator(), ALGORITHMS["allreduce"]
-        return [_time(lambda: alg(local, comp, x, ctx, {}).wait(), reps), 0.0]
-    except Exception:  # noqa: BLE001 - a rank must not skip the MAX that follows (hang)
-        logger.warning("cost model: timing %s failed; it will not be planned", comp.spec(), exc_info=True)
-        return [math.inf, math.inf]
+def _numel(shapes) -> int:
+    return sum(math.prod(sh) for sh in shapes)
 
 
 def _per_element_compute(comp: Compressor, numel: int, vals) -> dict[str, ComputeCost]:
@@ -267,21 +256,22 @@ def _time_mem_pass(numel: int) -> float:
     return _time(lambda: torch.add(a, b, out=c), 3)
 
 
-def _time_compute(comp: Compressor, numels, reps: int) -> list[float]:
-    """[compress(n1), compress(n2), decompress(n1), decompress(n2)] seconds on this device."""
+def _time_compute(comp: Compressor, numels, reps: int, shapes=()) -> list[float]:
+    """[compress(n1), compress(n2), ..., decompress(n1), decompress(n2), ...] seconds on this
+    device; with ``shapes`` (one size, their total), the input is a bucket of those tensors."""
     try:
-        return _time_compute_unchecked(comp, numels, reps)
+        return _time_compute_unchecked(comp, numels, reps, shapes)
     except Exception:  # noqa: BLE001 - a rank must not skip the MAX that follows (hang)
         logger.warning("cost model: timing %s failed; it will not be planned", comp.spec(), exc_info=True)
         return [math.inf] * (2 * len(numels))
 
 
-def _time_compute_unchecked(comp, numels, reps):
+def _time_compute_unchecked(comp, numels, reps, shapes=()):
     g = torch.Generator().manual_seed(0)
     comp_t, dec_t = [], []
     for n in numels:
         x = torch.randn(n, generator=g)
-        ctx = Context(numel=n, dtype=x.dtype, device=x.device)
+        ctx = Context(numel=n, dtype=x.dtype, device=x.device, shapes=tuple(shapes))
         if comp.allreduce_rounds > 1:  # multi-round protocols (PowerSGD): time the aggregation whole
             local, alg = LocalCommunicator(), ALGORITHMS["allreduce"]
             comp_t.append(_time(lambda: alg(local, comp, x, ctx, {}).wait(), reps))
