@@ -18,7 +18,9 @@ world size 1, in the round's interleaved blocks; ``--no-floor`` drops it) and ea
 ``--control ALG`` adds a second, identical ``<spec>@ALG`` row (``--control dense``: of
 dense) named ``... (copy)``, never a candidate either: its per-round ratio to the first copy
 (``copy_vs_pin``) is what the same plan measures against itself in one round, the noise floor
-under every per-tuning ratio.
+under every per-tuning ratio. Each group's verdict line also pools its rounds: the geometric
+mean of the per-round ratios with +-2 standard errors (:func:`pooled_ratio`), a systematic gap
+that no single round can resolve.
 Step times: the median of ``--steps`` counted steps after a warm-up (``--warmup`` steps for
 auto, at least ``start_iter + 2``, and auto then runs on until its tuner locked, so what is
 measured is its steady state; ``--fixed-warmup`` steps for the other rows; max over ranks), taken ``--rounds`` times per group in ABBA order (the machine is
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import sys
@@ -100,10 +103,25 @@ def tuning_verdict(rows: list[dict]) -> str:
     copies = [r["copy_vs_pin"] for r in rows if r.get("copy_vs_pin") == r.get("copy_vs_pin")]  # not nan
     control = (f"; an identical plan against itself, per round: {min(copies):.3f}-{max(copies):.3f}x"
                if copies else "")
+    pooled = "; pooled over the rounds: " + ", ".join(
+        f"{what} {pooled_ratio(vals)}" for what, vals in (
+            ("vs dense", [r["vs_dense"] for r in rows]),
+            ("vs the best fixed", [r["vs_best_fixed"] for r in rows]),
+            ("copy vs pin", copies)) if len(vals) > 1 and all(v == v for v in vals))
     return (f"{rows[0]['group']}: locked {dict(decisions)} — same decision {n}/{len(rows)} "
             f"({ok(n >= MIN_SAME_DECISION * len(rows))}); worst tuning {worst_fixed:.3f}x the best fixed "
             f"({ok(worst_fixed >= MIN_VS_BEST_FIXED)}), {worst_dense:.3f}x dense ({ok(worst_dense >= MIN_VS_DENSE)})"
-            + control)
+            + control + pooled)
+
+
+def pooled_ratio(ratios: list) -> str:
+    """The geometric mean of per-round ratios with its +-2 standard errors (of the mean of the
+    logs), e.g. ``"1.021x (2 SE 0.990-1.053)"``: a systematic difference that no single
+    round of a noisy machine can show. Needs two or more ratios."""
+    logs = [math.log(r) for r in ratios]
+    m = statistics.fmean(logs)
+    se = statistics.stdev(logs) / math.sqrt(len(logs))
+    return f"{math.exp(m):.3f}x (2 SE {math.exp(m - 2 * se):.3f}-{math.exp(m + 2 * se):.3f})"
 
 
 def torch_configs(comp, torch_hooks: str = "match") -> list:

@@ -244,6 +244,25 @@ def test_autotune_bench_puts_torch_hooks_beside_auto(tmp_path):
     assert best in ("dense", "powersgd-r2@allreduce"), best
 
 
+def test_autotune_bench_pools_the_tunings(tmp_path):
+    # two tunings: each row's vs_dense is dense's step over auto's in that round, and the verdict
+    # pools them as a geometric mean (a systematic gap that no single round can show)
+    out = _run(["bench/autotune.py", "-n", "2", "--specs", "fp16", "--torch-hooks", "none", "--no-floor",
+                "--steps", "4", "--rounds", "2", "--width", "256", "--depth", "2",
+                "--out", str(tmp_path / "at")], timeout=240)
+    md = (tmp_path / "at.md").read_text()
+    tunings = [[c.strip() for c in ln.strip("|").split("|")] for ln in md.splitlines()
+               if ln.startswith(("| fp16 | 0 | ", "| fp16 | 1 | "))]
+    assert len(tunings) == 2, md
+    for cells in tunings:
+        assert float(cells[9]) == pytest.approx(float(cells[6]) / float(cells[5]), rel=0.02), cells
+    vs_dense = [float(cells[9]) for cells in tunings]
+    pooled, band = out.split("pooled over the rounds: vs dense ", 1)[1].split(")", 1)[0].split("x (2 SE ")
+    assert float(pooled) == pytest.approx((vs_dense[0] * vs_dense[1]) ** 0.5, rel=0.01), out
+    lo, hi = (float(v) for v in band.split("-"))
+    assert lo <= float(pooled) <= hi
+
+
 def test_first_step_bench_times_every_position_of_every_rule(tmp_path):
     # one long trial phase on loopback, blocks of 3: a row per rule with a median per block
     # position, round 1's steps, and the first-vs-rest log ratio over the later rounds
