@@ -394,7 +394,7 @@ def _hook_options(args) -> dict:
     """``--warmup-steps`` and ``--hook-opt key=value`` as ``comms.register`` keywords."""
     from compressors.registry import _parse_value
 
-    opts = {"warmup_steps": args.warmup_steps} if args.warmup_steps else {}
+    opts = {"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}
     for item in args.hook_opt or ():
         key, _, value = item.partition("=")
         opts[key.strip()] = None if value.strip() == "None" else _parse_value(value)
@@ -722,8 +722,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=64.0,
                    help="one bucket for these models (torch powerSGD_hook needs that on gloo)")
     p.add_argument("--hooks", default=None, help="comma-separated hook names or substrings")
-    p.add_argument("--warmup-steps", type=int, default=0,
-                   help="our hooks: DGC warm-up over this many compressed steps (default 0: off)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="our hooks: DGC warm-up over this many compressed steps (0: off; default: "
+                        "each compressor's default_warmup_steps, 5 for top-k)")
     p.add_argument("--hook-opt", action="append", default=None, metavar="KEY=VALUE",
                    help="another comms.register option for our hooks (repeatable), e.g. "
                         "momentum_masking=false, clip_norm=1.0")

@@ -225,6 +225,8 @@ class Autotuner:
         tuning_steps, tuning_cost_s: steps the last trial phase took, and their time beyond
             what the locked rule would have taken (agreed numbers).
         tunings: how many trial phases ran (the watchdog and ``retune`` start new ones).
+        count_from: steps before it are never counted (the compressor's warm-up ramp: its
+            milder variants' steps would time a different plan); set by the planner.
     """
 
     def __init__(self, steps_per_trial: int = 2, trials: int = 3, prefer_dense: float = 0.03,
@@ -262,6 +264,7 @@ class Autotuner:
         self.candidates = None if candidates is None else list(candidates)
         self.timing: Callable[[str, float], float] | None = None
         self.tunings = 0
+        self.count_from = 0
         self.reset()
 
     def reset(self) -> None:
@@ -297,7 +300,7 @@ class Autotuner:
         the end of each trial round and of each watchdog check, on every rank alike).
         """
         last, self._last = self._last, (step, now)
-        if last is not None and last[0] == step - 1:
+        if last is not None and last[0] == step - 1 and last[0] >= self.count_from:
             seconds = now - last[1]
             if self.timing is not None and self.rule is not None:
                 seconds = float(self.timing(self.rule, seconds))
@@ -349,9 +352,12 @@ class Autotuner:
         dense = self._samples[DENSE]
         undecided = []
         for r in self._active:
-            if r == DENSE or not self._samples[r]:
+            if r == DENSE:
                 continue
             s = self._samples[r]
+            if not s:  # nothing counted yet (its steps were the warm-up ramp's): not judged
+                undecided.append(r)
+                continue
             if dense and rounds >= 2 and min(s) > max(dense):
                 continue  # slower than every dense step, two samples each at least: dropped
             if dense and rounds >= self.min_rounds and min(s) > max(dense) * (1 - self.prefer_dense):

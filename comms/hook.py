@@ -46,6 +46,11 @@ def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures
     return comm.all_reduce(buf)
 
 
+def _dense_wire_bytes(x: torch.Tensor, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``x`` (what a dense step costs)."""
+    return 2 * (world - 1) * x.numel() * x.element_size() // world
+
+
 def _flush_residual_(x, store: dict, prev: str | None, comm) -> None:
     """On a switch away from ``prev``: its kept residual goes into ``x`` once."""
     alg = ALGORITHMS.get(prev) if prev is not None else None
@@ -159,6 +164,16 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
+    if compressor is not state.compressor and \
+            alg.wire_bytes(compressor, x.numel(), x.dtype, world) > _dense_wire_bytes(x, world):
+        # a warm-up step whose mild variant would send more than a dense step (top-k's first
+        # ramp steps on allgather at 3+ ranks) sends the bucket itself: the lossless end of the
+        # ramp, so the residual (already in x) goes with it; the velocity goes on
+        state.memory.residuals.pop(index, None)
+        state.dense_calls += 1
+        record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
+        what = where(comm, "dense allreduce (warm-up)", index, x.numel(), x.dtype, step)
+        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce.
     # NaN/Inf anywhere flags the bucket, and so does a finite one whose sum may overflow fp32:
     # from the max |x| the compiled pass saw, else a plain sum (no float64 copy of the bucket)
@@ -312,7 +327,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
             state.communicator = state.planner.setup(comm, state.process_group)
             comm = state.comm()
         if index == 0:  # DDP launches bucket 0 first, after the last step's futures were waited
-            state.planner.begin_step(step, state.start_iter, buf.numel(), buf.dtype)
+            state.planner.begin_step(step, state.start_iter, buf.numel(), buf.dtype, state.warmup_steps)
         state.planner.observe(index, buf.numel(), buf.dtype, bucket)
     if index == 0 and state.replica_guard is not None and comm.world_size > 1:
         state.replica_guard.maybe_check(step, comm)  # raises on every rank at a mismatch

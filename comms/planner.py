@@ -151,11 +151,13 @@ class Planner:
         return self.comm
 
     # -- per step (collective at bucket 0) --------------------------------------------------
-    def begin_step(self, step: int, start_iter: int, numel: int, dtype: torch.dtype) -> None:
+    def begin_step(self, step: int, start_iter: int, numel: int, dtype: torch.dtype,
+                   warmup_steps: int = 0) -> None:
         """The hook's call for bucket 0 of every step, on every rank (nothing in flight).
 
         From ``start_iter`` on: refine the model at the buckets' real sizes once (collective),
         then let the autotuner pick this step's rule (its decision ends in one collective).
+        The ``warmup_steps`` from ``start_iter`` (the compressor's ramp) are not counted.
         """
         now = time.perf_counter()  # first: the step's clock must not include our probes
         self._step, self._bucket0 = step, (numel, dtype)
@@ -175,6 +177,7 @@ class Planner:
             self._rows.clear()
         if self.tuner is None:
             return
+        self.tuner.count_from = start_iter + warmup_steps
         was_locked = self.tuner.locked
         keys = list(dict.fromkeys(self._seen_prev + [(0, numel, dtype)]))
         self.tuner.begin_step(step, now, lambda: self._propose(keys), self._agree)

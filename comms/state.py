@@ -180,8 +180,12 @@ class CompressionState:
         warmup_steps: DGC's warm-up: the first ``warmup_steps`` compressed steps (from
             ``start_iter``) use milder variants of the compressor, ramping to it
             (``Compressor.warmup``: top-k/random-k density ``density ** ((k + 1) / (W + 1))``
-            at compressed step ``k`` — 1% over 4 steps: 40%, 16%, 6.3%, 2.5%, then 1%; QSGD 8
-            bits for the first half; sign unchanged). 0 (default): off.
+            at compressed step ``k`` — 1% over 5 steps: 46%, 22%, 10%, 4.6%, 2.2%, then 1%;
+            QSGD 8 bits for the first half; sign unchanged). A step whose variant would send
+            more bytes than a dense step (top-k's first steps on allgather at 3+ ranks) sends
+            the bucket dense, residual included. The autotuner counts no step of the ramp.
+            ``"auto"`` (default): the compressor's ``default_warmup_steps`` (5 for top-k,
+            0 — off — for the others); 0: off.
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
@@ -213,7 +217,7 @@ class CompressionState:
                  min_compress_numel: int = 0, autotune: bool = True, autotune_steps: int = 2,
                  timeout=None, momentum: float | None = None, momentum_masking: "str | bool" = "held",
                  clip_norm: float | None = None, residual_bound: "float | str | None" = "auto",
-                 warmup_steps: int = 0):
+                 warmup_steps: "int | str" = "auto"):
         if not isinstance(compressor, (str, Compressor)):
             raise TypeError(f"compressor must be a spec string or a compressors.Compressor, "
                             f"got {compressor!r}")
@@ -232,8 +236,10 @@ class CompressionState:
             raise ValueError(f"min_compress_numel must be >= 0, got {min_compress_numel!r}")
         momentum = _check_momentum(momentum)
         clip_norm = _check_clip(clip_norm)
+        if warmup_steps == "auto":
+            warmup_steps = getattr(self.compressor, "default_warmup_steps", 0)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+            raise ValueError(f"warmup_steps must be 'auto' or an int >= 0, got {warmup_steps!r}")
         if residual_bound == "auto":
             residual_bound = getattr(self.compressor, "default_residual_bound", None)
         if residual_bound is not None:

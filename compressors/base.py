@@ -298,6 +298,8 @@ class Compressor:
             error feedback diverges against an optimizer's momentum. False (PowerSGD): the
             optimizer keeps its momentum and applies it to the averaged, decoded gradient
             (PowerSGD's own pairing and torch's hook).
+        default_warmup_steps: ``CompressionState``'s ``warmup_steps="auto"``: how many
+            compressed steps ramp to this compressor through :meth:`warmup` (0: none).
         allreduce_rounds: 1: one payload summed by one allreduce (the linear family's
             default); 2: the power-iteration protocol of :class:`compressors.PowerSGD`
             (``first_round``, ``second_round``, ``decode_round``, ``keep``).
@@ -314,6 +316,7 @@ class Compressor:
     unbiased: ClassVar[bool] = False
     sparsifies: ClassVar[bool] = False
     momentum_correction: ClassVar[bool] = True
+    default_warmup_steps: ClassVar[int] = 0
     allreduce_rounds: ClassVar[int] = 1
 
     #: elements per block in blocked fast paths (a power of two >= 8); None: block_elems(device)

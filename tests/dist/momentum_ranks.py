@@ -133,13 +133,16 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
     x_all, y_all = dataset()
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(OddNet(), find_unused_parameters=True, bucket_cap_mb=0.01)
+    # no warm-up ramp (top-k's default): its first step may go dense, and every step here
+    # must be a compressed one
     if error_feedback:
         opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-        state = comms.register(ddp, "topk:density=0.05", algorithm=algorithm, optimizer=opt)
+        state = comms.register(ddp, "topk:density=0.05", algorithm=algorithm, optimizer=opt,
+                               warmup_steps=0)
     else:  # the optimizer's momentum moves into the hook only with error feedback: say it
         opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.0)
         state = comms.register(ddp, "topk:density=0.05", algorithm=algorithm, momentum=MOMENTUM,
-                               error_feedback=False)
+                               error_feedback=False, warmup_steps=0)
     for s in range(steps):
         idx = torch.arange(16) + 16 * (rank + world * s)
         loss = nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
@@ -149,3 +152,29 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
     calls.pop("depth")
     calls["owner_residuals"] = sum("two_phase_residual" in st for st in state.algo_store.values())
     return calls
+
+
+def warmup_steps_taken(rank: int, world: int, steps: int = 3) -> list:
+    """Top-k 1% on allgather, registered the default way (its 5-step warm-up) from step 0, on
+    a 64x64 linear layer (one bucket): per step, (dense calls so far, buckets holding a
+    residual, the averaged gradient, this rank's own gradient of the step)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=MOMENTUM)
+    state = comms.register(ddp, "topk:density=0.01", algorithm="allgather", start_iter=0, optimizer=opt)
+    out = []
+    for s in range(steps):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * s + rank))
+        with torch.no_grad():  # this rank's own gradient, from a copy outside DDP
+            local = nn.Linear(64, 64)
+            local.load_state_dict(model.state_dict())
+        with torch.enable_grad():
+            local(x).square().mean().backward()
+        opt.zero_grad(set_to_none=True)
+        ddp(x).square().mean().backward()
+        out.append((state.dense_calls, sorted(state.memory.residuals),
+                    torch.cat([p.grad.reshape(-1) for p in model.parameters()]),
+                    torch.cat([p.grad.reshape(-1) for p in local.parameters()])))
+        opt.step()
+    return out

@@ -147,3 +147,23 @@ def test_two_phase_sparsifier_gives_back_what_the_owner_left_out(world):
         assert torch.allclose(delivered, agg.double(), rtol=1e-5, atol=1e-7), k
         assert torch.equal(delivered[agg == 0], torch.zeros_like(delivered[agg == 0])), k
     assert n_returned > 0  # the owners did leave values out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_warm_up_step_never_sends_more_than_a_dense_step(world):
+    # top-k's default ramp starts at density 0.01 ** (1/6) = 46%: on allgather a rank sends
+    # (world - 1) * 8 * d * n bytes against a ring allreduce's 8 (world - 1) / world * n, so
+    # above d = 1 / world the step goes dense (world 3: the first step), residual included
+    reports = spawn(momentum_ranks.warmup_steps_taken, world, timeout=180)
+    for r in reports[1:]:  # the same averaged gradient on every rank, every step
+        assert all(torch.equal(a[2], b[2]) for a, b in zip(reports[0], r))
+    dense_calls = [step[0] for step in reports[0]]
+    residuals = [step[1] for step in reports[0]]
+    if world == 3:
+        assert dense_calls == [1, 1, 1] and residuals == [[], [0], [0]], (dense_calls, residuals)
+        # step 0 went dense: the exact average of the ranks' own gradients (no residual yet)
+        mean = sum(r[0][3] for r in reports) / world
+        assert torch.allclose(reports[0][0][2], mean, rtol=1e-6, atol=1e-7)
+    else:
+        assert dense_calls == [0, 0, 0] and residuals == [[0], [0], [0]], (dense_calls, residuals)

@@ -209,6 +209,23 @@ def test_round_one_skips_each_rules_first_step_and_later_rounds_count_every_step
         assert len(t._samples["a"]) == 4
 
 
+def test_no_step_of_the_warm_up_ramp_is_counted():
+    # the compressor's warm-up (steps 0-4): a's milder variants take 3 s a step; the planner
+    # sets count_from = start_iter + warmup_steps, so none of them is a sample of a or dense
+    cost = {"dense": 1.0, "a": 0.9}
+    ramp = lambda r, s: 3.0 if (r == "a" and s < 5) else cost[r]  # noqa: E731
+    t = Autotuner(steps_per_trial=2, trials=1)
+    t.count_from = 5
+    drive(t, ramp, 40)
+    assert t.decision == "a" and t._samples["a"] == pytest.approx([0.9] * len(t._samples["a"])), t._samples
+    # round 1 (steps 0-3) and step 4 (dense) are the ramp's: dense counts from step 5, a from
+    # its round-2 block (steps 6-7); 4 rounds of 4 steps
+    assert [(r, n) for r, _, n in t.table] == [("dense", 5), ("a", 6)] and t.tuning_steps == 16
+    t = Autotuner(steps_per_trial=2, trials=1)  # counted from the start, the ramp is a sample
+    drive(t, ramp, 40)
+    assert t._samples["a"][0] == 3.0
+
+
 # rounds' load on a shared machine (x0.75-1.3): unpaired, the rules' samples all overlap
 ROUND_LOAD = [1.0, 1.25, 0.8, 1.1, 0.9, 1.2, 0.85, 1.05, 0.95, 1.15, 0.75, 1.3]
 

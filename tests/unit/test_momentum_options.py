@@ -158,6 +158,18 @@ def test_warmup_ramps_density_then_keeps_the_compressor():
         CompressionState("sign", None, algorithm="allgather", warmup_steps=-1)
 
 
+def test_warmup_auto_is_the_compressors_default():
+    # top-k ramps over 5 compressed steps by default (DGC); the others have no default ramp
+    st = CompressionState("topk:density=0.01", None, algorithm="allgather")
+    assert st.warmup_steps == 5 and st.compressor_at(st.start_iter).density == pytest.approx(0.01 ** (1 / 6))
+    assert st.compressor_at(st.start_iter + 5) is st.compressor
+    for spec in ("sign", "qsgd:bits=4", "randomk:density=0.01", "powersgd:rank=1", "fp16"):
+        assert CompressionState(spec, None).warmup_steps == 0, spec
+    assert CompressionState("topk:density=0.01", None, warmup_steps=0).warmup_steps == 0
+    with pytest.raises(ValueError, match="warmup_steps must be 'auto' or an int >= 0, got 'fast'"):
+        CompressionState("topk:density=0.01", None, warmup_steps="fast")
+
+
 def test_only_two_phase_holds_back():
     """The default masking acts only where an algorithm can leave out what a rank sent: flat
     two_phase (its owner's re-compression). The hierarchical forms' own contribution is
