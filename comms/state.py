@@ -177,15 +177,17 @@ class CompressionState:
             divergence (bench/results/convergence.md, momentum task); the bound keeps it a
             bounded multiple of the fresh update. ``"auto"`` (default): the compressor's
             ``default_residual_bound`` (10 for random-k, none for the others); ``None``: off.
-        warmup_steps: DGC's warm-up: the first ``warmup_steps`` compressed steps (from
-            ``start_iter``) use milder variants of the compressor, ramping to it
+        warmup_steps: DGC's warm-up: the first ``warmup_steps`` steps from ``start_iter``
+            (an autotune trial's dense steps among them) use milder variants of the
+            compressor, ramping to it
             (``Compressor.warmup``: top-k/random-k density ``density ** ((k + 1) / (W + 1))``
             at compressed step ``k`` — 1% over 5 steps: 46%, 22%, 10%, 4.6%, 2.2%, then 1%;
             QSGD 8 bits for the first half; sign unchanged). A step whose variant would send
             more bytes than a dense step (top-k's first steps on allgather at 3+ ranks) sends
             the bucket dense, residual included. The autotuner counts no step of the ramp.
             ``"auto"`` (default): the compressor's ``default_warmup_steps`` (5 for top-k,
-            0 — off — for the others); 0: off.
+            0 — off — for the others); 0: off. Random-k's ramp (opt-in) diverged on 2 of 4
+            seeds of the momentum task (bench/results/convergence_topk_warmup5_s22.md).
 
     Raises:
         ValueError / TypeError: any bad option, naming it — before any communication.
