@@ -473,7 +473,8 @@ class CompressionState:
 
         Raises:
             ValueError: saved with a different compressor, algorithm, momentum,
-                momentum_masking, clip_norm, residual_bound or warmup_steps.
+                momentum_masking, clip_norm, residual_bound or warmup_steps (the last only
+                while either warm-up is not over at the saved step).
         """
         if not isinstance(sd, dict) or "iter" not in sd:
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
@@ -487,6 +488,10 @@ class CompressionState:
         saved = dict(sd)
         if "momentum_masking" in saved:  # a bool before "held" existed: True was "sent"
             saved["momentum_masking"] = _check_masking(saved["momentum_masking"])
+        if int(sd["iter"]) >= self.start_iter + max(int(saved.get("warmup_steps", 0)), self.warmup_steps):
+            # both ramps are over (e.g. a checkpoint from before top-k warmed up by default):
+            # the count no longer changes any step
+            saved.pop("warmup_steps", None)
         for key in ("momentum", "momentum_masking", "clip_norm", "residual_bound", "warmup_steps"):
             if saved.get(key, getattr(self, key)) != getattr(self, key):
                 raise ValueError(f"state was saved with {key}={saved[key]!r}, this hook uses "

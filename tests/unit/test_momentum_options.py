@@ -97,6 +97,23 @@ def test_checkpoint_with_a_bool_masking_loads_as_its_mode():
                          momentum=0.9).load_state_dict(sd)
 
 
+def test_a_checkpoint_from_before_the_default_warm_up_loads_once_the_ramps_are_over():
+    # saved without a warm-up (the default before top-k's 5 steps): a mismatch while either
+    # ramp still has steps to run is an error; past both it changes nothing and loads
+    old = CompressionState("topk:density=0.01", None, algorithm="allgather", warmup_steps=0)
+    new = CompressionState("topk:density=0.01", None, algorithm="allgather")  # start_iter 2, W 5
+    for it, loads in ((6, False), (7, True), (100, True)):
+        old.iter = it
+        sd = old.state_dict()
+        fresh = CompressionState("topk:density=0.01", None, algorithm="allgather")
+        if loads:
+            fresh.load_state_dict(sd)
+            assert fresh.iter == it and fresh.warmup_steps == new.warmup_steps == 5
+        else:
+            with pytest.raises(ValueError, match="warmup_steps=0"):
+                fresh.load_state_dict(sd)
+
+
 def test_state_dict_holds_velocities_and_options():
     st = CompressionState("topk:density=0.01", None, algorithm="allgather", momentum=0.9, clip_norm=2.0)
     st.memory.velocities[3] = torch.arange(4.0)
