@@ -185,7 +185,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
                   bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
     record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, alg.name,
-                lambda: alg.bucket_wire_bytes(compressor, ctx, world))
+                lambda: alg.bucket_wire_bytes(compressor, ctx, world), compressor)
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
     masking = state.momentum_masking if state.momentum is not None and getattr(
         compressor, "sparsifies", False) else "off"

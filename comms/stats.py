@@ -8,29 +8,32 @@ __all__ = ["BucketStats", "record_call"]
 class BucketStats:
     """Per-bucket accounting of the last call: bytes one rank sends per step, dense and on the wire."""
 
-    __slots__ = ("bucket", "numel", "dtype", "algorithm", "dense_bytes", "wire_bytes", "calls")
+    __slots__ = ("bucket", "numel", "dtype", "algorithm", "dense_bytes", "wire_bytes", "calls",
+                 "_compressor")
 
-    def __init__(self, bucket, numel, dtype, algorithm, dense_bytes, wire_bytes):
+    def __init__(self, bucket, numel, dtype, algorithm, dense_bytes, wire_bytes, compressor=None):
         self.bucket, self.numel, self.dtype = bucket, numel, dtype
         self.algorithm, self.dense_bytes, self.wire_bytes = algorithm, dense_bytes, wire_bytes
         self.calls = 0
+        self._compressor = compressor  # the variant the bytes were counted for (warm-up ramps)
 
     @property
     def ratio(self) -> float:
         return self.dense_bytes / self.wire_bytes if self.wire_bytes else float("inf")
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__} | {"ratio": self.ratio}
+        return {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_")} | {"ratio": self.ratio}
 
 
 def record_call(stats: dict, index: int, numel: int, dtype, element_size: int, world: int,
-                algorithm: str, wire_bytes) -> BucketStats:
-    """Count one call of bucket ``index``; (re)create its entry when its size or algorithm
-    changed. ``wire_bytes()`` is called only then (dense: the ring allreduce's bytes)."""
+                algorithm: str, wire_bytes, compressor=None) -> BucketStats:
+    """Count one call of bucket ``index``; (re)create its entry when its size, algorithm or
+    ``compressor`` (a warm-up variant, then the compressor itself) changed. ``wire_bytes()`` is
+    called only then (dense: the ring allreduce's bytes)."""
     st = stats.get(index)
-    if st is None or st.numel != numel or st.algorithm != algorithm:
+    if st is None or st.numel != numel or st.algorithm != algorithm or st._compressor is not compressor:
         dense = 2 * (world - 1) * numel * element_size // world
         st = stats[index] = BucketStats(index, numel, dtype, algorithm, dense,
-                                        dense if wire_bytes is None else wire_bytes())
+                                        dense if wire_bytes is None else wire_bytes(), compressor)
     st.calls += 1
     return st

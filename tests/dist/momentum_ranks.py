@@ -157,7 +157,8 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
 def warmup_steps_taken(rank: int, world: int, steps: int = 3) -> list:
     """Top-k 1% on allgather, registered the default way (its 5-step warm-up) from step 0, on
     a 64x64 linear layer (one bucket): per step, (dense calls so far, buckets holding a
-    residual, the averaged gradient, this rank's own gradient of the step)."""
+    residual, the averaged gradient, this rank's own gradient of the step, the bucket's
+    ``state.stats`` wire bytes)."""
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -175,6 +176,7 @@ def warmup_steps_taken(rank: int, world: int, steps: int = 3) -> list:
         ddp(x).square().mean().backward()
         out.append((state.dense_calls, sorted(state.memory.residuals),
                     torch.cat([p.grad.reshape(-1) for p in model.parameters()]),
-                    torch.cat([p.grad.reshape(-1) for p in local.parameters()])))
+                    torch.cat([p.grad.reshape(-1) for p in local.parameters()]),
+                    state.stats[0].wire_bytes))
         opt.step()
     return out

@@ -10,6 +10,8 @@ masking rule; with the default ``"held"`` masking (nothing masked on allgather/a
 2.43x and random-k 4.6x at 200 steps — and random-k no longer diverges later (test below).
 """
 
+import math
+
 import pytest
 import torch
 
@@ -167,3 +169,8 @@ def test_a_warm_up_step_never_sends_more_than_a_dense_step(world):
         assert torch.allclose(reports[0][0][2], mean, rtol=1e-6, atol=1e-7)
     else:
         assert dense_calls == [0, 0, 0] and residuals == [[0], [0], [0]], (dense_calls, residuals)
+    # state.stats counts each step's own variant: allgather sends k values + k int32 indices
+    n = 64 * 64 + 64
+    sent = [(world - 1) * math.ceil(0.01 ** ((k + 1) / 6) * n) * 8 for k in range(3)]
+    dense = 2 * (world - 1) * n * 4 // world
+    assert [step[4] for step in reports[0]] == [dense if world == 3 else sent[0], sent[1], sent[2]]
