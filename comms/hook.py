@@ -51,6 +51,22 @@ def _dense_wire_bytes(x: torch.Tensor, world: int) -> int:
     return 2 * (world - 1) * x.numel() * x.element_size() // world
 
 
+#: a warm-up variant that keeps more than this fraction of the elements goes dense: on CPU its
+#: selection and decodes cost more than a dense step (the 25M MLP at 1 Gb/s: a 22% top-k step
+#: 2.15 s, a dense one 0.96 s, a 10% one 0.54 s; s22, bench/results/convergence_topk_warmup5_s22.md)
+WARM_DENSE_DENSITY = 0.15
+
+
+def _warm_step_goes_dense(alg, compressor, x: torch.Tensor, world: int) -> bool:
+    """A warm-up step sends the bucket dense when its mild variant keeps more than
+    :data:`WARM_DENSE_DENSITY` of the elements or would send more than half a dense step's
+    bytes (top-k's allgather at many ranks: ``(world - 1) * 8 d n`` bytes); the quality the
+    ramp buys comes from its first, near-dense steps, which a dense step gives as well."""
+    if getattr(compressor, "density", 0.0) > WARM_DENSE_DENSITY:
+        return True
+    return 2 * alg.wire_bytes(compressor, x.numel(), x.dtype, world) > _dense_wire_bytes(x, world)
+
+
 def _flush_residual_(x, store: dict, prev: str | None, comm) -> None:
     """On a switch away from ``prev``: its kept residual goes into ``x`` once."""
     alg = ALGORITHMS.get(prev) if prev is not None else None
@@ -164,11 +180,9 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
-    if compressor is not state.compressor and \
-            alg.wire_bytes(compressor, x.numel(), x.dtype, world) > _dense_wire_bytes(x, world):
-        # a warm-up step whose mild variant would send more than a dense step (top-k's first
-        # ramp steps on allgather at 3+ ranks) sends the bucket itself: the lossless end of the
-        # ramp, so the residual (already in x) goes with it; the velocity goes on
+    if compressor is not state.compressor and _warm_step_goes_dense(alg, compressor, x, world):
+        # the lossless end of the ramp: the residual (already in x) goes with it; the velocity
+        # goes on
         state.memory.residuals.pop(index, None)
         state.dense_calls += 1
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)

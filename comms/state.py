@@ -182,9 +182,10 @@ class CompressionState:
             compressor, ramping to it
             (``Compressor.warmup``: top-k/random-k density ``density ** ((k + 1) / (W + 1))``
             at compressed step ``k`` — 1% over 5 steps: 46%, 22%, 10%, 4.6%, 2.2%, then 1%;
-            QSGD 8 bits for the first half; sign unchanged). A step whose variant would send
-            more bytes than a dense step (top-k's first steps on allgather at 3+ ranks) sends
-            the bucket dense, residual included. The autotuner counts no step of the ramp.
+            QSGD 8 bits for the first half; sign unchanged). A step whose variant keeps more
+            than 15% of the elements or would send more than half a dense step's bytes sends
+            the bucket dense, residual included (top-k's default ramp: dense, dense, 10%,
+            4.6%, 2.2% at 2-4 ranks). The autotuner counts no step of the ramp.
             ``"auto"`` (default): the compressor's ``default_warmup_steps`` (5 for top-k,
             0 — off — for the others); 0: off. Random-k's ramp (opt-in) diverged on 2 of 4
             seeds of the momentum task (bench/results/convergence_topk_warmup5_s22.md).

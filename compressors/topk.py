@@ -47,9 +47,9 @@ class TopK(Compressor):
     name = "topk"
     families = ("allgather", "two_phase")
     sparsifies = True
-    # DGC's warm-up, 5 steps (46% .. 2.2% at 1%): on the momentum task (oddconv, 4 seeds)
-    # allgather 1.059 -> 1.044x dense's loss, for ~1.6 dense steps of extra wire at 2 ranks;
-    # 20 steps gain little more for ~7.7 (bench/results/convergence_topk_warmup5_s22.md)
+    # DGC's warm-up over 5 steps (the hook sends its 46% and 22% steps dense, then 10%, 4.6%,
+    # 2.2%): on the momentum task (oddconv, 4 seeds) allgather 1.059 -> 1.047x dense's loss,
+    # two_phase 1.091 -> 1.070 (bench/results/convergence_topk_warmup5_s22.md)
     default_warmup_steps = 5
 
     @classmethod

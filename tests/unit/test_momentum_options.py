@@ -97,6 +97,23 @@ def test_checkpoint_with_a_bool_masking_loads_as_its_mode():
                          momentum=0.9).load_state_dict(sd)
 
 
+def test_which_warm_up_steps_go_dense():
+    # a variant above 15% density, or one whose bytes exceed half a dense step's, goes dense
+    from comms.algorithms import get_algorithm
+    from comms.hook import WARM_DENSE_DENSITY, _warm_step_goes_dense
+    from compressors import TopK
+
+    x = torch.zeros(10_000)
+    ag, tp = get_algorithm("allgather"), get_algorithm("two_phase")
+    assert WARM_DENSE_DENSITY == 0.15
+    assert _warm_step_goes_dense(ag, TopK(0.2), x, 2) and not _warm_step_goes_dense(ag, TopK(0.1), x, 2)
+    # allgather: (world - 1) * 8 * d * n bytes against 8 (world - 1) / world * n: d * world dense steps
+    assert not _warm_step_goes_dense(ag, TopK(0.1), x, 4) and _warm_step_goes_dense(ag, TopK(0.1), x, 6)
+    assert not _warm_step_goes_dense(tp, TopK(0.1), x, 8)  # two_phase's bytes do not grow so
+    q = CompressionState("qsgd:bits=4", None, warmup_steps=4).compressor_at(2)  # 8 bits: no density
+    assert q.bits == 8 and not _warm_step_goes_dense(ag, q, x, 2)
+
+
 def test_a_checkpoint_from_before_the_default_warm_up_loads_once_the_ramps_are_over():
     # saved without a warm-up (the default before top-k's 5 steps): a mismatch while either
     # ramp still has steps to run is an error; past both it changes nothing and loads
