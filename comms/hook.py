@@ -341,7 +341,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
             state.communicator = state.planner.setup(comm, state.process_group)
             comm = state.comm()
         if index == 0:  # DDP launches bucket 0 first, after the last step's futures were waited
-            state.planner.begin_step(step, state.start_iter, buf.numel(), buf.dtype, state.warmup_steps)
+            state.planner.begin_step(step, state.start_iter, buf.numel(), buf.dtype,
+                                     state.warmup_steps)
         state.planner.observe(index, buf.numel(), buf.dtype, bucket)
     if index == 0 and state.replica_guard is not None and comm.world_size > 1:
         state.replica_guard.maybe_check(step, comm)  # raises on every rank at a mismatch

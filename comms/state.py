@@ -489,7 +489,8 @@ class CompressionState:
         saved = dict(sd)
         if "momentum_masking" in saved:  # a bool before "held" existed: True was "sent"
             saved["momentum_masking"] = _check_masking(saved["momentum_masking"])
-        if int(sd["iter"]) >= self.start_iter + max(int(saved.get("warmup_steps", 0)), self.warmup_steps):
+        ramps_end = self.start_iter + max(int(saved.get("warmup_steps", 0)), self.warmup_steps)
+        if int(sd["iter"]) >= ramps_end:
             # both ramps are over (e.g. a checkpoint from before top-k warmed up by default):
             # the count no longer changes any step
             saved.pop("warmup_steps", None)

@@ -22,7 +22,8 @@ class BucketStats:
         return self.dense_bytes / self.wire_bytes if self.wire_bytes else float("inf")
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_")} | {"ratio": self.ratio}
+        public = {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_")}
+        return public | {"ratio": self.ratio}
 
 
 def record_call(stats: dict, index: int, numel: int, dtype, element_size: int, world: int,
@@ -31,7 +32,8 @@ def record_call(stats: dict, index: int, numel: int, dtype, element_size: int, w
     ``compressor`` (a warm-up variant, then the compressor itself) changed. ``wire_bytes()`` is
     called only then (dense: the ring allreduce's bytes)."""
     st = stats.get(index)
-    if st is None or st.numel != numel or st.algorithm != algorithm or st._compressor is not compressor:
+    if (st is None or st.numel != numel or st.algorithm != algorithm
+            or st._compressor is not compressor):
         dense = 2 * (world - 1) * numel * element_size // world
         st = stats[index] = BucketStats(index, numel, dtype, algorithm, dense,
                                         dense if wire_bytes is None else wire_bytes(), compressor)

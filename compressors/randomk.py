@@ -76,8 +76,9 @@ class RandomK(Compressor):
     #: the hook bounds ``|x + r|`` to 10 ``|x|`` (comms.CompressionState ``residual_bound``):
     #: the residual of 1% random-k holds ~100 steps of velocity that leave at once
     default_residual_bound = 10.0
-    # no default warm-up (top-k has 5 steps): the same 5-step ramp diverged on 2 of 4 seeds of
-    # the momentum task (oddconv: 6e6x and 3.0x dense; bench/results/convergence_topk_warmup5_s22.md)
+    # no default warm-up (top-k has 5 steps): the same 5-step ramp diverged on 2 of 4 seeds
+    # of the momentum task (oddconv: 6e6x and 3.0x dense's loss;
+    # bench/results/convergence_topk_warmup5_s22.md)
     default_warmup_steps = 0
 
     @classmethod
