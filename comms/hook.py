@@ -180,14 +180,6 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
-    if compressor is not state.compressor and _warm_step_goes_dense(alg, compressor, x, world):
-        # the lossless end of the ramp: the residual (already in x) goes with it; the velocity
-        # goes on
-        state.memory.residuals.pop(index, None)
-        state.dense_calls += 1
-        record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
-        what = where(comm, "dense allreduce (warm-up)", index, x.numel(), x.dtype, step)
-        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce.
     # NaN/Inf anywhere flags the bucket, and so does a finite one whose sum may overflow fp32:
     # from the max |x| the compiled pass saw, else a plain sum (no float64 copy of the bucket)
@@ -196,6 +188,14 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         flag = torch.tensor(_nonfinite_or_overflows(amax, x.numel()))
     else:
         flag = ~torch.isfinite(x.sum(dtype=torch.float32))  # fp16 sums would overflow at 65504
+    if compressor is not state.compressor and _warm_step_goes_dense(alg, compressor, x, world):
+        # the lossless end of the ramp: the residual (already in x) goes with it; the velocity
+        # goes on; flagged like a compressed step (a NaN resets the bucket's memory)
+        state.memory.residuals.pop(index, None)
+        state.dense_calls += 1
+        record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
+        what = where(comm, "dense allreduce (warm-up)", index, x.numel(), x.dtype, step)
+        return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
                   bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
     record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, alg.name,

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_KEY = "commpress"
 
 _REGISTER_KEYS = ("check_replicas_every", "error_feedback", "start_iter", "algorithm", "seed",
-                  "min_compress_numel", "autotune", "autotune_steps")
+                  "min_compress_numel", "autotune", "autotune_steps", "warmup_steps")
 
 
 class CommpressDDPStrategy(DDPStrategy):
@@ -51,7 +51,8 @@ class CommpressDDPStrategy(DDPStrategy):
         compressor: a :class:`compressors.Compressor` or a spec string.
         **kwargs: options of :func:`comms.register` (``algorithm``, ``error_feedback``,
             ``start_iter``, ``seed``, ``min_compress_numel``, ``check_replicas_every``,
-            ``autotune``, ``autotune_steps``); everything else goes to ``DDPStrategy``
+            ``autotune``, ``autotune_steps``, ``warmup_steps``); everything else goes to
+            ``DDPStrategy``
             (``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper`` are refused: DDP
             takes one hook).
 

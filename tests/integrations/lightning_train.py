@@ -42,7 +42,9 @@ def loader():
 
 
 def trainer(epochs):
-    strategy = CommpressDDPStrategy(SPEC, start_iter=1, algorithm="allgather", process_group_backend="gloo")
+    # no warm-up ramp (top-k's default): its first steps go dense, and run A's 4 steps must compress
+    strategy = CommpressDDPStrategy(SPEC, start_iter=1, algorithm="allgather", warmup_steps=0,
+                                    process_group_backend="gloo")
     return strategy, L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs,
                                enable_progress_bar=False, logger=False, enable_checkpointing=False,
                                enable_model_summary=False)
