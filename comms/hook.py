@@ -114,6 +114,19 @@ def _local_(state: CompressionState, index: int, x: torch.Tensor, div: int = 1) 
         x.div_(div)
 
 
+def _local_flagged(state: CompressionState, index: int, x: torch.Tensor, world: int) -> torch.Tensor:
+    """:func:`_local_` on a dense step, then the bucket's non-finite flag (a tensor: no host
+    sync): a NaN that entered the velocity must reset it like a compressed step's would, or
+    every later step stays NaN (GradScaler would skip them all). From the max ``|x|`` the
+    compiled momentum pass saw when it ran, else one sum over the bucket."""
+    state.memory.last_amax = None
+    _local_(state, index, x, world)
+    amax = state.memory.last_amax
+    if amax is not None:
+        return torch.tensor(_nonfinite_or_overflows(amax, x.numel()))
+    return ~torch.isfinite(x.sum(dtype=torch.float32))
+
+
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
                    scatter=None, shapes: tuple = (), dense: bool = False) -> torch.futures.Future:
     """EF + compress + aggregate one flat tensor in place; returns the (pending) future.
@@ -127,10 +140,10 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     world = comm.world_size
     compressor = state.compressor
     if dense:
-        _local_(state, index, x, world)
+        flag = _local_flagged(state, index, x, world)
         state.dense_calls += 1
         what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
-        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter,
+        return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter,
                                    what=what)
     name = state.algorithm_for(index, x.numel(), x.dtype)
     # the auto planner may move a bucket between algorithms (autotune trials): residuals of
@@ -144,7 +157,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         kept = state.error_feedback and index in state.memory.residuals
         if not switched and not kept and not state.local_transform:
             return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
-        _local_(state, index, x, world)
+        flag = _local_flagged(state, index, x, world)
         if switched:
             _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
             state.algo_store.pop(index, None)  # the store is spent; the velocity is not
@@ -154,7 +167,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             if index not in state.memory.draining:
                 state.memory.start_drain(index, RESIDUAL_DRAIN_STEPS)
             state.memory.drain_step_(index, x)
-        return state.flags.enqueue(index, step, None, x, guarded(comm.all_reduce(x), what), scatter, what=what)
+        return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter, what=what)
     alg = get_algorithm(name)
     state.memory.draining.pop(index, None)  # back to compressing: what is left is a residual again
     compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
