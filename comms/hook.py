@@ -25,7 +25,7 @@ from .deadline import clean_message, failure
 from .errors import where
 from .futures import completed, guarded, stream_mark, wait_mark, when_all
 from .state import CompressionState
-from .stats import record_call
+from .stats import dense_wire_bytes, record_call
 
 __all__ = ["compression_hook", "dense_allreduce", "RESIDUAL_DRAIN_STEPS"]
 
@@ -46,11 +46,6 @@ def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures
     return comm.all_reduce(buf)
 
 
-def _dense_wire_bytes(x: torch.Tensor, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``x`` (what a dense step costs)."""
-    return 2 * (world - 1) * x.numel() * x.element_size() // world
-
-
 #: a warm-up variant that keeps more than this fraction of the elements goes dense: on CPU its
 #: selection and decodes cost more than a dense step (the 25M MLP at 1 Gb/s: a 22% top-k step
 #: 2.15 s, a dense one 0.96 s, a 10% one 0.54 s; s22, bench/results/convergence_topk_warmup5_s22.md)
@@ -64,7 +59,8 @@ def _warm_step_goes_dense(alg, compressor, x: torch.Tensor, world: int) -> bool:
     ramp buys comes from its first, near-dense steps, which a dense step gives as well."""
     if getattr(compressor, "density", 0.0) > WARM_DENSE_DENSITY:
         return True
-    return 2 * alg.wire_bytes(compressor, x.numel(), x.dtype, world) > _dense_wire_bytes(x, world)
+    return 2 * alg.wire_bytes(compressor, x.numel(), x.dtype, world) > \
+        dense_wire_bytes(x.numel(), x.element_size(), world)
 
 
 def _flush_residual_(x, store: dict, prev: str | None, comm) -> None:
@@ -121,10 +117,26 @@ def _local_flagged(state: CompressionState, index: int, x: torch.Tensor, world: 
     compiled momentum pass saw when it ran, else one sum over the bucket."""
     state.memory.last_amax = None
     _local_(state, index, x, world)
-    amax = state.memory.last_amax
+    return _nonfinite_flag(x, state.memory.last_amax)
+
+
+def _nonfinite_flag(x: torch.Tensor, amax: int | None) -> torch.Tensor:
+    """The bucket's flag for the step's flag allreduce (a tensor, not a bool: no host sync):
+    NaN/Inf anywhere, or a finite bucket whose sum may overflow fp32 — from ``amax``, the max
+    ``|x|`` a compiled pass that wrote x saw (no extra pass), else a plain sum (no float64
+    copy of the bucket; fp16 sums would overflow at 65504)."""
     if amax is not None:
         return torch.tensor(_nonfinite_or_overflows(amax, x.numel()))
     return ~torch.isfinite(x.sum(dtype=torch.float32))
+
+
+def _plain_allreduce(state: CompressionState, comm, index: int, step: int, x: torch.Tensor, flag,
+                     scatter, label: str = "dense allreduce") -> torch.futures.Future:
+    """A dense step of ``x`` (already this rank's share: summed, not averaged) through the
+    step's flags; counted in ``state.dense_calls``."""
+    state.dense_calls += 1
+    what = where(comm, label, index, x.numel(), x.dtype, step)
+    return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter, what=what)
 
 
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
@@ -140,22 +152,19 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     world = comm.world_size
     compressor = state.compressor
     if dense:
-        flag = _local_flagged(state, index, x, world)
-        state.dense_calls += 1
-        what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
-        return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter,
-                                   what=what)
+        return _plain_allreduce(state, comm, index, step, x, _local_flagged(state, index, x, world),
+                                scatter)
     name = state.algorithm_for(index, x.numel(), x.dtype)
     # the auto planner may move a bucket between algorithms (autotune trials): residuals of
     # the old one are added into the bucket once, so no gradient mass is lost
     prev = state.planner.note_used(index, name) if state.planner is not None else None
     switched = prev is not None and prev != name
     if name == DENSE:  # the auto planner routes this bucket to the plain allreduce
-        state.dense_calls += 1
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
-        what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
         kept = state.error_feedback and index in state.memory.residuals
         if not switched and not kept and not state.local_transform:
+            state.dense_calls += 1
+            what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
             return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
         flag = _local_flagged(state, index, x, world)
         if switched:
@@ -167,7 +176,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
             if index not in state.memory.draining:
                 state.memory.start_drain(index, RESIDUAL_DRAIN_STEPS)
             state.memory.drain_step_(index, x)
-        return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter, what=what)
+        return _plain_allreduce(state, comm, index, step, x, flag, scatter)
     alg = get_algorithm(name)
     state.memory.draining.pop(index, None)  # back to compressing: what is left is a residual again
     compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
@@ -193,22 +202,14 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
-    # a tensor, not a bool: no host sync here; it travels with the step's flag allreduce.
-    # NaN/Inf anywhere flags the bucket, and so does a finite one whose sum may overflow fp32:
-    # from the max |x| the compiled pass saw, else a plain sum (no float64 copy of the bucket)
-    amax = state.memory.last_amax if fused and not switched else None
-    if amax is not None:  # the compiled pass that wrote x saw its largest |x|: no extra pass
-        flag = torch.tensor(_nonfinite_or_overflows(amax, x.numel()))
-    else:
-        flag = ~torch.isfinite(x.sum(dtype=torch.float32))  # fp16 sums would overflow at 65504
+    # it travels with the step's flag allreduce; the compiled pass's max |x| when it wrote x
+    flag = _nonfinite_flag(x, state.memory.last_amax if fused and not switched else None)
     if compressor is not state.compressor and _warm_step_goes_dense(alg, compressor, x, world):
         # the lossless end of the ramp: the residual (already in x) goes with it; the velocity
         # goes on; flagged like a compressed step (a NaN resets the bucket's memory)
         state.memory.residuals.pop(index, None)
-        state.dense_calls += 1
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
-        what = where(comm, "dense allreduce (warm-up)", index, x.numel(), x.dtype, step)
-        return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter, what=what)
+        return _plain_allreduce(state, comm, index, step, x, flag, scatter, "dense allreduce (warm-up)")
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
                   bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
     record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, alg.name,

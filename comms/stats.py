@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["BucketStats", "record_call"]
+__all__ = ["BucketStats", "record_call", "dense_wire_bytes"]
+
+
+def dense_wire_bytes(numel: int, element_size: int, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``numel`` elements (a dense step)."""
+    return 2 * (world - 1) * numel * element_size // world
 
 
 class BucketStats:
@@ -34,7 +39,7 @@ def record_call(stats: dict, index: int, numel: int, dtype, element_size: int, w
     st = stats.get(index)
     if (st is None or st.numel != numel or st.algorithm != algorithm
             or st._compressor is not compressor):
-        dense = 2 * (world - 1) * numel * element_size // world
+        dense = dense_wire_bytes(numel, element_size, world)
         st = stats[index] = BucketStats(index, numel, dtype, algorithm, dense,
                                         dense if wire_bytes is None else wire_bytes(), compressor)
     st.calls += 1
