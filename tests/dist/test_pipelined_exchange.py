@@ -13,7 +13,7 @@ from comms.launch import spawn
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
 # sizes in bytes per rank around the threshold and the chunk: below (gloo's own call), at the
-# threshold, a partial last chunk, several chunks
+# threshold, a partial last chunk, more chunks than px.WINDOW keeps in flight
 SIZES = (px.MIN_BYTES - 4, px.MIN_BYTES, 2 * px.CHUNK_BYTES + 4096 + 12)
 DTYPES = (torch.uint8, torch.float16)  # bytes are bytes: one odd and one 2-byte itemsize
 
