@@ -193,6 +193,20 @@ class CostModel:
             return math.inf  # unknown: never chosen over a predictable candidate
         return alg.cost(self, compressor, numel, dtype) + HOOK_PASSES * self.mem_per_element * numel
 
+    def codec_seconds(self, algorithm: str, compressor: Compressor | None, numel: int,
+                      dtype=torch.float32) -> float:
+        """The local share of :meth:`predict`: ``algorithm``'s cost for one bucket with its
+        collectives free (no latency, no link time) — its encodes, decodes and sums and the
+        tiers' local passes, from the measured compute costs (0 for dense). What tells apart
+        plans that move the same bytes: at 2 ranks qsgd8's allgather adds two decoded payloads
+        where shared_scale decodes one sum."""
+        alg = ALGORITHMS.get(algorithm) if algorithm != DENSE else None
+        if alg is None or compressor is None:
+            return 0.0
+        free = {name: TierCost(name, t.world, 0.0, math.inf) for name, t in self.tiers.items()}
+        return alg.cost(CostModel(free, self.compute, self.local_size, self.mem_per_element),
+                        compressor, numel, dtype)
+
     def candidates(self, compressor: Compressor, numel: int, dtype=torch.float32,
                    algorithms: Iterable[str] = ()) -> dict[str, float]:
         """``{"dense": t, alg: t, ...}`` for ``dense`` and each named algorithm."""

@@ -46,7 +46,7 @@ import torch
 from compressors import Compressor
 
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
-from .autotune import MODEL, Autotuner, check_step_seconds
+from .autotune import MIN_GAIN_S, MODEL, Autotuner, check_step_seconds
 from .communicator import Communicator, allreduce_max
 from .cost_model import CostModel, TierCost
 from .errors import where
@@ -324,19 +324,26 @@ class Planner:
 
     def _preference(self, rule: str) -> tuple:
         """Sort key of a rule among tied winners, per bucket (largest first): the bytes its
-        collectives put on the slowest tier's links, then their ring hops (the latency terms),
-        then the registry order (allreduce, allgather, two_phase, shared_scale, hierarchical).
-        Fewer bytes and hops is the plan that keeps winning when the link or the world size
-        changes; at 2 ranks an allgather moves what a ring allreduce moves in half the hops.
-        Only world sizes, shapes and the compressor enter: the same key on every rank, and from
-        one tuning to the next."""
+        collectives put on the slowest tier's links, then its local codec work
+        (:meth:`CostModel.codec_seconds`, in whole milliseconds: :data:`MIN_GAIN_S`), then
+        its collectives' ring hops (the latency terms), then the registry order (allreduce,
+        allgather, two_phase, shared_scale, hierarchical). Fewer bytes is the plan that keeps
+        winning when the link changes; with the bytes equal, the work around the wire decides
+        — at 2 ranks qsgd8's shared_scale decodes one integer sum where allgather decodes and
+        adds two payloads, and it ran 4-9% faster in every measured run (unshaped, 10 Gb/s,
+        1 Gb/s: bench/results/autotune_unshaped_s21_control.md, autotune_10gbit_s22_control.md,
+        autotune_1gbit_s21_control.md) where hops alone picked allgather — and a
+        sparsifier's adds are too small to count (random-k: allgather, in half the hops of an
+        allreduce). Only the agreed cost model, world sizes, shapes and the
+        compressor enter: the same key on every rank."""
         order = {name: i for i, name in enumerate(ALGORITHMS)}
         rows = sorted(self._rows.values(), key=lambda r: (-r.numel, r.bucket))
         return tuple(self._link_cost(a, r) + (order.get(a, -1),)
                      for r in rows for a in (self._apply(rule, r),))
 
     def _link_cost(self, algorithm: str, row: PlanRow) -> tuple:
-        """``(link bytes on the slowest tier, ring hops)`` of one bucket's collectives."""
+        """``(link bytes on the slowest tier, codec work in whole ms, ring hops)`` of one
+        bucket's plan."""
         model = self.model
         if model is None:
             return ()
@@ -349,7 +356,9 @@ class Planner:
             if tier == slow:
                 nbytes += TierCost.factor(op, n) * b
             hops += TierCost.hops(op, n)
-        return (nbytes, hops)
+        codec = model.codec_seconds(algorithm, None if algorithm == DENSE else self.compressor,
+                                    row.numel, row.dtype)
+        return (nbytes, round(codec / MIN_GAIN_S) if math.isfinite(codec) else math.inf, hops)
 
     def _locked_rule(self) -> str:
         t = self.tuner

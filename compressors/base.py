@@ -336,6 +336,14 @@ class Compressor:
         raise NotImplementedError
 
     # -- helpers with sensible defaults -------------------------------------------------
+    def decode_add_share(self) -> float:
+        """What one :meth:`decompress_add_` of a bucket's payload costs as a share of one
+        :meth:`decompress` (the cost model's decode-and-sum terms: an allgather adds every
+        rank's payload into one zeroed bucket): 1 for a codec that decodes every element; a
+        sparsifier's add touches its payload's elements only (its density), where its
+        measured :meth:`decompress` also fills the whole bucket with zeros."""
+        return float(getattr(self, "density", 1.0)) if self.sparsifies else 1.0
+
     def decompress_add_(self, payload: Sequence[torch.Tensor], ctx: Context,
                         acc: torch.Tensor) -> torch.Tensor:
         """``acc += decompress(payload)``; sparse compressors override to skip the dense temp."""

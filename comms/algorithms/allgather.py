@@ -152,9 +152,9 @@ class Allgather(Algorithm):
 
     def cost(self, model, compressor, numel, dtype, tier="flat"):
         cc, t = model.compute_for(compressor), model.tiers[tier]
-        # every rank decodes every payload
+        # every rank adds every payload into one zeroed bucket (the first add costs a decode)
         return (cc.compress(numel) + t.allgather(compressor.wire_bytes(numel, dtype), torch.uint8)
-                + t.world * cc.decompress(numel))
+                + cc.decompress(numel) * (1 + (t.world - 1) * compressor.decode_add_share()))
 
 
 allgather = Allgather()

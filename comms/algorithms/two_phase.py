@@ -364,7 +364,8 @@ class TwoPhase(Algorithm):
         n = t.world
         m = -(-numel // n)
         wire = compressor.wire_bytes(m, dtype)
-        return (cc.compress(numel) + t.all_to_all(n * wire, torch.uint8) + n * cc.decompress(m)  # phase 1
+        owner_sum = cc.decompress(m) * (1 + (n - 1) * compressor.decode_add_share())
+        return (cc.compress(numel) + t.all_to_all(n * wire, torch.uint8) + owner_sum  # phase 1
                 + cc.compress(m) + t.allgather(wire, torch.uint8) + n * cc.decompress(m))  # owner + phase 2
 
     def flush_residual_(self, x, store, comm, numel=None):
