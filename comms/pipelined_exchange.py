@@ -14,9 +14,9 @@ run, 15 exchanges each (bench/results/pipelined_window_s23.md): at 1 Gb/s the al
 median went 243 -> 227 ms at 25 MB per rank (gloo's allreduce of the same wire bytes: 219 ms),
 129 -> 122 ms at 13 MB, 83 -> 76 ms at 8 MB; at 10 Gb/s 31.5 -> 28.0 ms at 13 MB, 22.6 -> 18.6
 ms at 8 MB, 47.4 -> 47.2 at 25 MB; all_to_all at 1 Gb/s 274 -> 258 ms (25 MB). Window 4 and
-2 MiB chunks were within noise of window 2 at 1 Gb/s (25 MB: 240 / 234 ms). At 4 ranks with 8 MB per rank (every peer at
-once, 24 MB up per rank: 192 ms at the link rate) the same exchange took 222 ms against
-gloo's allgather 325 ms. (``/tmp`` scripts of session 3, the rows of ``bench/collectives.py
+2 MiB chunks ran within noise of window 2 or slower at 1 Gb/s (25 MB: 240 / 234 ms). At 4
+ranks with 8 MB per rank (every peer at once, 24 MB up per rank: 192 ms at the link rate) the
+same exchange took 222 ms against gloo's allgather 325 ms. (``/tmp`` scripts of session 3, the rows of ``bench/collectives.py
 --transport`` repeat them.)
 
 gloo's point-to-point ``Work`` has no ``get_future()``, so the exchange runs on one worker

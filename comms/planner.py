@@ -338,10 +338,10 @@ class Planner:
         compressor enter: the same key on every rank."""
         order = {name: i for i, name in enumerate(ALGORITHMS)}
         rows = sorted(self._rows.values(), key=lambda r: (-r.numel, r.bucket))
-        return tuple(self._link_cost(a, r) + (order.get(a, -1),)
+        return tuple(self._tie_cost(a, r) + (order.get(a, -1),)
                      for r in rows for a in (self._apply(rule, r),))
 
-    def _link_cost(self, algorithm: str, row: PlanRow) -> tuple:
+    def _tie_cost(self, algorithm: str, row: PlanRow) -> tuple:
         """``(link bytes on the slowest tier, codec work in whole ms, ring hops)`` of one
         bucket's plan."""
         model = self.model

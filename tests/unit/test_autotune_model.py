@@ -172,7 +172,7 @@ def test_ties_go_to_fewer_link_bytes_then_fewer_hops(world, preferred):
         p._row(k)
     rules = ["allreduce", "allgather"]
     assert min(rules, key=p._preference) == preferred
-    ar, ag = (p._link_cost(r, p._row(keys[0])) for r in rules)
+    ar, ag = (p._tie_cost(r, p._row(keys[0])) for r in rules)
     assert ar[2] == 2 * ag[2] == 2 * (world - 1) and ar[1] == ag[1] == 0  # no compute measured
     assert (ar[0] == ag[0]) if world == 2 else (ar[0] * 2 == pytest.approx(ag[0], rel=1e-3))
     top = Planner(compressors.from_spec("topk:density=0.01"),
@@ -188,7 +188,7 @@ def test_ties_go_to_fewer_link_bytes_then_fewer_hops(world, preferred):
     qp.ready = True
     qp._row(keys[0])
     if world == 2:
-        ss, ag = (qp._link_cost(a, qp._row(keys[0])) for a in ("shared_scale", "allgather"))
+        ss, ag = (qp._tie_cost(a, qp._row(keys[0])) for a in ("shared_scale", "allgather"))
         assert ss == (ag[0], 0, 3.0) and ag[2] == 1.0
         assert min(["shared_scale", "allgather"], key=qp._preference) == "allgather"
     assert len(p._preference("dense")) == 2  # one entry per bucket, dense included
@@ -214,17 +214,17 @@ def test_ties_with_equal_bytes_go_to_less_codec_work(world):
         return p
 
     q8 = planner("qsgd:bits=8", 0.33e-9, 0.27e-9)
-    ss, ag = (q8._link_cost(a, q8._row((0, numel, torch.float32))) for a in ("shared_scale", "allgather"))
+    ss, ag = (q8._tie_cost(a, q8._row((0, numel, torch.float32))) for a in ("shared_scale", "allgather"))
     if world == 2:
         assert ss[0] == ag[0] and ss[2] > ag[2]  # the bytes tie; shared_scale has more hops
         # allgather's extra decode-and-add of a payload: 0.27 ns x 25M = 6.8 ms
         assert ag[1] - ss[1] == round(0.27e-9 * numel / 1e-3)
         assert min(["allgather", "shared_scale"], key=q8._preference) == "shared_scale"
     rk = planner("randomk:density=0.01", 0.04e-9, 0.45e-9)
-    ar, ag = (rk._link_cost(a, rk._row((0, numel, torch.float32))) for a in ("allreduce", "allgather"))
+    ar, ag = (rk._tie_cost(a, rk._row((0, numel, torch.float32))) for a in ("allreduce", "allgather"))
     assert ag[1] - ar[1] <= 1  # 1% of a decode per extra payload: within a millisecond
     assert min(["allreduce", "allgather"], key=rk._preference) == ("allgather" if world == 2 else "allreduce")
     tk = planner("topk:density=0.01", 0.6e-9, 0.4e-9)
-    tp, ag = (tk._link_cost(a, tk._row((0, numel, torch.float32))) for a in ("two_phase", "allgather"))
+    tp, ag = (tk._tie_cost(a, tk._row((0, numel, torch.float32))) for a in ("two_phase", "allgather"))
     assert tp[1] > ag[1]
     assert min(["two_phase", "allgather"], key=tk._preference) == ("allgather" if world == 2 else "two_phase")
