@@ -139,6 +139,15 @@ def _plain_allreduce(state: CompressionState, comm, index: int, step: int, x: to
     return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter, what=what)
 
 
+def _averaged_allreduce(state: CompressionState, comm, index: int, step: int, x: torch.Tensor,
+                        scatter=None) -> torch.futures.Future:
+    """DDP's plain step for a bucket with no local steps: ``x`` divided by the world size
+    first (as torch's hooks do: no fp16 overflow in the sum), then :func:`_plain_allreduce`
+    without a flag of its own."""
+    x.div_(comm.world_size)
+    return _plain_allreduce(state, comm, index, step, x, None, scatter)
+
+
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
                    scatter=None, shapes: tuple = (), dense: bool = False) -> torch.futures.Future:
     """EF + compress + aggregate one flat tensor in place; returns the (pending) future.
@@ -163,9 +172,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, DENSE, None)
         kept = state.error_feedback and index in state.memory.residuals
         if not switched and not kept and not state.local_transform:
-            state.dense_calls += 1
-            what = where(comm, "dense allreduce", index, x.numel(), x.dtype, step)
-            return state.flags.enqueue(index, step, None, x, guarded(dense_allreduce(state, x), what), scatter, what=what)
+            return _averaged_allreduce(state, comm, index, step, x, scatter)
         flag = _local_flagged(state, index, x, world)
         if switched:
             _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
@@ -371,9 +378,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
                                  lambda: state.config_values(index, buf.numel(), buf.dtype, step))
         dense = step < state.start_iter or buf.numel() < state.min_compress_numel
         if dense and not state.local_transform:
-            state.dense_calls += 1
-            what = where(comm, "dense allreduce", index, buf.numel(), buf.dtype, step)
-            fut = state.flags.enqueue(index, step, None, buf, guarded(dense_allreduce(state, buf), what), what=what)
+            fut = _averaged_allreduce(state, comm, index, step, buf)
         else:
             plan = _layout_plan(state, bucket, buf, index)
             params = bucket.parameters()
