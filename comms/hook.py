@@ -33,9 +33,10 @@ logger = logging.getLogger(__name__)
 
 #: dense steps over which a bucket's error-feedback residual is added once plain allreduce is
 #: the decision for it (a dense lock; trial and watchdog dense steps leave the residual for
-#: the compressed steps that follow): random-k 1%'s residual holds up to 10 steps of gradient
-#: (its residual bound), so each of 8 shares adds at most ~1.25 of a step; added at once, or
-#: at every trial/watchdog switch, it was a 10x step (loss 0.5 -> 44-113, bench/results)
+#: the compressed steps that follow): random-k 1%'s residual holds up to 5 steps of gradient
+#: (its residual bound; 10 until session 24), so each of 8 shares adds under a step; added at
+#: once, or at every trial/watchdog switch, it was a 10x step (bound 10: loss 0.5 -> 44-113,
+#: bench/results)
 RESIDUAL_DRAIN_STEPS = 8
 
 

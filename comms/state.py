@@ -176,7 +176,7 @@ class CompressionState:
             step ``1/density`` times too late, which SGD momentum 0.9 at lr 0.05 turns into
             divergence (bench/results/convergence.md, momentum task); the bound keeps it a
             bounded multiple of the fresh update. ``"auto"`` (default): the compressor's
-            ``default_residual_bound`` (10 for random-k, none for the others); ``None``: off.
+            ``default_residual_bound`` (5 for random-k, none for the others); ``None``: off.
         warmup_steps: DGC's warm-up: the first ``warmup_steps`` steps from ``start_iter``
             (an autotune trial's dense steps among them) use milder variants of the
             compressor, ramping to it

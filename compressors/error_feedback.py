@@ -77,8 +77,8 @@ class ErrorFeedback:
         """One dense step of a drain: ``x += r / n`` and ``r *= (n - 1) / n`` with ``n`` the
         steps left, so each of the ``steps`` dense steps adds an equal share of the residual
         the drain started with and the last one empties it (then it is dropped). Why not all
-        at once: random-k's residual holds up to ``residual_bound`` (10) times a step's
-        gradient; added into one dense step it is a 10x learning-rate step (loss spikes at
+        at once: random-k's residual holds up to ``residual_bound`` (5) times a step's
+        gradient; added into one dense step it is a 5x learning-rate step (loss spikes at
         every autotune switch to dense were seen). Returns x."""
         n = self.draining.get(bucket)
         if n is None:

@@ -27,7 +27,7 @@ def test_bad_options_name_the_value(kw, exc):
 
 
 def test_residual_bound_defaults():
-    assert CompressionState("randomk:density=0.01", None, algorithm="allreduce").residual_bound == 10.0
+    assert CompressionState("randomk:density=0.01", None, algorithm="allreduce").residual_bound == 5.0
     assert CompressionState("topk:density=0.01", None, algorithm="allgather").residual_bound is None
     assert CompressionState("randomk", None, algorithm="allreduce", residual_bound=None).residual_bound is None
 
