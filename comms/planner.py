@@ -356,8 +356,7 @@ class Planner:
             if tier == slow:
                 nbytes += TierCost.factor(op, n) * b
             hops += TierCost.hops(op, n)
-        codec = model.codec_seconds(algorithm, None if algorithm == DENSE else self.compressor,
-                                    row.numel, row.dtype)
+        codec = model.codec_seconds(algorithm, self.compressor, row.numel, row.dtype)  # dense: 0
         return (nbytes, round(codec / MIN_GAIN_S) if math.isfinite(codec) else math.inf, hops)
 
     def _locked_rule(self) -> str:
