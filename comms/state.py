@@ -169,7 +169,11 @@ class CompressionState:
             so that the bucket's L2 norm is at most ``clip_norm / world`` before momentum and
             error feedback, i.e. the averaged bucket gradient has norm <= ``clip_norm``. Per
             bucket (the hook sees one bucket at a time), private arithmetic before the
-            collective, no host sync. ``None``: off.
+            collective, no host sync. ``None``: off. The threshold carries the model's gradient
+            scale, so there is no default: one below a bucket's typical norm clips it on every
+            step, which is normalized SGD there (a smaller step, for dense as well; top-k on the
+            momentum task: bench/results/convergence_topk_clip_s25.md). It costs a norm and a
+            scaling pass per bucket, and the error-feedback update runs unfused.
         residual_bound: bound the error-feedback input ``x + r`` to ``residual_bound * |x|``
             (L2, per bucket; ``x`` the fresh gradient or velocity), dropping the mass beyond it.
             Random-k's residual holds ~``1/density`` steps of velocity that leave together — a
