@@ -106,7 +106,7 @@ class Planner:
             raise TypeError(f"autotune must be True or False, got {autotune!r}")
         tuner = Autotuner(autotune_steps, autotune_trials, prefer_dense)  # validates the options
         self.tuner = tuner if autotune and probe else None
-        tuner.preference = self._preference  # near-ties go to fewer link bytes, then fewer hops
+        tuner.preference = self._preference  # near-ties: one compression stage, fewer link bytes, ...
         self.compressor = compressor
         self.topology = topology
         self.node = node
@@ -323,8 +323,13 @@ class Planner:
         return row
 
     def _preference(self, rule: str) -> tuple:
-        """Sort key of a rule among tied winners, per bucket (largest first): the bytes its
-        collectives put on the slowest tier's links, then its local codec work
+        """Sort key of a rule among tied winners, per bucket (largest first): first how many
+        times it compresses the bucket (``Algorithm.compress_stages``: a two_phase plan's owners
+        compress the sum again — top-k's owners keep k of up to ``world * k`` values, which
+        cost the momentum task 1.093x dense's loss at 4 ranks against allgather's 1.032,
+        bench/results/convergence_oddconv_4ranks_s25.md; a tie in step time must not buy
+        that), then the bytes its collectives put on the slowest tier's links, then its local
+        codec work
         (:meth:`CostModel.codec_seconds`, in whole milliseconds: :data:`MIN_GAIN_S`), then
         its collectives' ring hops (the latency terms), then the registry order (allreduce,
         allgather, two_phase, shared_scale, hierarchical). Fewer bytes is the plan that keeps
@@ -338,7 +343,8 @@ class Planner:
         compressor enter: the same key on every rank."""
         order = {name: i for i, name in enumerate(ALGORITHMS)}
         rows = sorted(self._rows.values(), key=lambda r: (-r.numel, r.bucket))
-        return tuple(self._tie_cost(a, r) + (order.get(a, -1),)
+        return tuple((0 if a == DENSE else get_algorithm(a).compress_stages,)
+                     + self._tie_cost(a, r) + (order.get(a, -1),)
                      for r in rows for a in (self._apply(rule, r),))
 
     def _tie_cost(self, algorithm: str, row: PlanRow) -> tuple:

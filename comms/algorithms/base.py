@@ -94,6 +94,10 @@ class Algorithm:
     #: the aggregate may leave out a coordinate a rank sent (held in a residual of the
     #: algorithm's own, e.g. two_phase's owner re-compression); see the module docstring
     holds_back: bool = False
+    #: how many times a value is compressed on its way into the aggregate: 2 where a second
+    #: stage compresses the partial sums again (two_phase's owners), else 1; the auto planner
+    #: breaks step-time ties towards fewer (a second lossy stage never makes the sum closer)
+    compress_stages: int = 1
 
     def __call__(self, comm, compressor, x, ctx, store):
         raise NotImplementedError

@@ -66,6 +66,7 @@ class Hierarchical(Algorithm):
         self.inner = inner
         self.name = f"hier_{inner.name}"
         self.family = inner.family
+        self.compress_stages = inner.compress_stages  # only the inter-node stage compresses
 
     def supports(self, compressor) -> bool:
         return self.inner.supports(compressor)

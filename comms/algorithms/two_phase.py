@@ -332,6 +332,7 @@ class TwoPhase(Algorithm):
     name = "two_phase"
     family = "two_phase"
     holds_back = True  # the owner's re-compression of the chunk sum keeps a residual
+    compress_stages = 2  # each rank's chunks, then the owner's chunk sum
     deferred_results = True  # the sum can come back unwritten (an OwnerChunks)
 
     def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None,
