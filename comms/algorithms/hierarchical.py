@@ -66,7 +66,7 @@ class Hierarchical(Algorithm):
         self.inner = inner
         self.name = f"hier_{inner.name}"
         self.family = inner.family
-        self.compress_stages = inner.compress_stages  # only the inter-node stage compresses
+        self.compress_stages = inner.compress_stages  # the intra-node steps do not compress
 
     def supports(self, compressor) -> bool:
         return self.inner.supports(compressor)
