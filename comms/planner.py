@@ -106,7 +106,7 @@ class Planner:
             raise TypeError(f"autotune must be True or False, got {autotune!r}")
         tuner = Autotuner(autotune_steps, autotune_trials, prefer_dense)  # validates the options
         self.tuner = tuner if autotune and probe else None
-        tuner.preference = self._preference  # near-ties: one compression stage, fewer link bytes, ...
+        tuner.preference = self._preference  # near-ties: compression stages, link bytes, codec, hops
         self.compressor = compressor
         self.topology = topology
         self.node = node

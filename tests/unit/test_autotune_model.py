@@ -8,6 +8,7 @@ import torch
 
 import compressors
 from comms.autotune import MODEL
+from comms.algorithms import get_algorithm
 from comms.algorithms.allreduce import payload_dtype
 from comms.communicator import LocalCommunicator
 from comms.cost_model import HOOK_PASSES, ComputeCost, CostModel, TierCost
@@ -239,7 +240,6 @@ def test_ties_go_to_one_compression_stage_before_fewer_bytes(world, spec, single
     up to ``world * k`` values: 1.093x dense's loss on the momentum task at 4 ranks against
     allgather's 1.032), so it loses every tie, at any world — also from 3 ranks, where its
     link bytes are the fewest. Its hierarchical form compresses twice as well."""
-    from comms.algorithms import get_algorithm
     assert get_algorithm("two_phase").compress_stages == 2
     assert get_algorithm("hier_two_phase").compress_stages == 2
     assert all(get_algorithm(a).compress_stages == 1
