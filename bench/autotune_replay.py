@@ -66,16 +66,20 @@ def load_blocks(path: str) -> tuple[list[str], list[list[float]]]:
 #: a block's first step never counted); ``count``: every step counted from round 2;
 #: ``count+drop``: and a rule surely not 3% faster than dense dropped; ``s19``: the rules as
 #: they are (also the paired tests at 3 standard errors of at least the pooled spread);
-#: ``own3``: s19 with each rule's own spread; ``unpaired``: s18 without the paired test
+#: ``own3``: s19 with each rule's own spread; ``unpaired``: s18 without the paired test;
+#: ``s25``: s19 as it stood until session 26, where a load burst after dense retired from the
+#: rounds could undo its rules' wins over dense (every other variant but ``s19`` has that too)
+_OLD = {"RETIRED_DENSE_WINS_STAY": False}
 VARIANTS = {
     "unpaired": {"PAIRED_T": math.inf, "COUNT_EVERY_STEP_FROM": math.inf, "PAIRED_DROP_T": math.inf,
-                 "PAIRED_POOLED": False},
+                 "PAIRED_POOLED": False, **_OLD},
     "s18": {"PAIRED_T": 4.0, "COUNT_EVERY_STEP_FROM": math.inf, "PAIRED_DROP_T": math.inf,
-            "PAIRED_POOLED": False},
-    "count": {"PAIRED_T": 4.0, "PAIRED_DROP_T": math.inf, "PAIRED_POOLED": False},
-    "count+drop": {"PAIRED_T": 4.0, "PAIRED_POOLED": False},
+            "PAIRED_POOLED": False, **_OLD},
+    "count": {"PAIRED_T": 4.0, "PAIRED_DROP_T": math.inf, "PAIRED_POOLED": False, **_OLD},
+    "count+drop": {"PAIRED_T": 4.0, "PAIRED_POOLED": False, **_OLD},
+    "s25": dict(_OLD),
     "s19": {},
-    "own3": {"PAIRED_POOLED": False},
+    "own3": {"PAIRED_POOLED": False, **_OLD},
 }
 
 
@@ -185,7 +189,7 @@ def main(argv=None) -> None:
     p.add_argument("--rules", type=int, default=2, choices=(1, 2, 3), help="compressed rules in play")
     p.add_argument("--other-gain", type=float, default=-0.3, help="rule b's gain (-0.3: 30%% slower)")
     p.add_argument("--third-gain", type=float, default=0.0, help="rule c's gain (0: as fast as dense)")
-    p.add_argument("--variants", default="s18,count,count+drop,s19",
+    p.add_argument("--variants", default="s18,count,count+drop,s25,s19",
                    help=f"decision rules to replay, comma-separated, of {list(VARIANTS)}")
     p.add_argument("--tunings", type=int, default=400)
     p.add_argument("--phases", action="store_true",

@@ -54,7 +54,9 @@ allgather, MAX per step) and decides when **the data decides**:
   beats dense that way, dense runs no more trial steps (its samples still judge every rule)
   and the remaining rounds only separate the compressed plans — on a 1 Gb/s link the rounds
   between near compressed plans (qsgd8's allgather / two_phase / shared_scale) no longer pay
-  a dense step each.
+  a dense step each. Those rules keep their win over dense (:data:`RETIRED_DENSE_WINS_STAY`):
+  with no dense steps left to pair their later steps with, a load burst on those must not
+  turn a won phase into a dense lock.
 
 Interleaving matters on a shared machine: a load burst hits every rule of a round instead of
 one rule's whole block. Every rank runs the same deterministic decision on the same agreed
@@ -108,7 +110,8 @@ from .algorithms import DENSE
 from .deadline import advice
 
 __all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MIN_GAIN_S", "MAX_STEP_SECONDS", "MIN_STEP_SECONDS",
-           "COUNT_EVERY_STEP_FROM", "PAIRED_DROP_T", "PAIRED_MIN_ROUNDS", "PAIRED_POOLED", "PAIRED_T", "RANK_MIN_SAMPLES", "RANK_WIN"]
+           "COUNT_EVERY_STEP_FROM", "PAIRED_DROP_T", "PAIRED_MIN_ROUNDS", "PAIRED_POOLED", "PAIRED_T", "RANK_MIN_SAMPLES", "RANK_WIN",
+           "RETIRED_DENSE_WINS_STAY"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +182,12 @@ PAIRED_DROP_T = 2.0
 #: the round (0-based, per trial phase) from which every trial step is counted (before it,
 #: the first step of each rule's block is not: it allocates)
 COUNT_EVERY_STEP_FROM = 1
+#: a rule that beat dense decisively when dense retired from the trial rounds keeps that win:
+#: dense runs no more steps to pair its later ones with, so a load burst on those must not
+#: undo it (``False``: session 25's rules, where it did — at 10 Gb/s a burst on round 5 lifted
+#: sign's allgather, 1.37x dense over 17 steps, above dense's fastest early step, and the
+#: tuning ended on dense: bench/results/autotune_10gbit_s26.md)
+RETIRED_DENSE_WINS_STAY = True
 
 
 def _faster_pairs(fast: list[float], slow: list[float]) -> float:
@@ -279,6 +288,7 @@ class Autotuner:
         self.tuning_cost_s = 0.0
         self._active: list[str] = []
         self._dense_retired = False  # dense lost decisively: no more dense trial steps
+        self._beat_dense: set[str] = set()  # the rules that had beaten dense then: winners for good
         self._rounds = 0
         self._samples: dict[str, list[float]] = {}
         self._by_round: dict[str, dict[int, list[float]]] = {}  # rule -> round -> its samples
@@ -393,6 +403,8 @@ class Autotuner:
         if (not self._dense_retired and self.decisive > 0 and rounds >= 2 and keep
                 and all(self._beats(self._samples[r], dense, self.decisive) for r in keep)):
             self._dense_retired = True
+            if RETIRED_DENSE_WINS_STAY:
+                self._beat_dense = set(keep)
         live = [r for r in self._active if r != DENSE and r in keep]
         self._active = live if self._dense_retired else [DENSE] + live
         used = len(self._phase_steps)
@@ -408,7 +420,10 @@ class Autotuner:
         least :data:`RANK_WIN` of all (rule, dense) sample pairs have the rule faster (a rank
         test that one stray step, a 100 ms stall, cannot overturn as it does the other two),
         or — from :data:`PAIRED_MIN_ROUNDS` rounds that timed both — the paired test
-        (:meth:`_paired_wins`)."""
+        (:meth:`_paired_wins`). A rule that beat dense decisively when dense retired from the
+        rounds has won for good (:data:`RETIRED_DENSE_WINS_STAY`)."""
+        if rule in self._beat_dense:
+            return True  # beat dense decisively when dense retired (RETIRED_DENSE_WINS_STAY)
         s, dense = self._samples[rule], self._samples[DENSE]
         d = statistics.median(dense)
         m = statistics.median(s)

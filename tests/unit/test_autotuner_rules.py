@@ -100,6 +100,32 @@ def test_a_decisive_result_locks_from_round_two():
         Autotuner(decisive=1.0)
 
 
+def test_a_burst_after_dense_retired_does_not_undo_the_win(monkeypatch):
+    # measured at 10 Gb/s (bench/results/autotune_10gbit_s26.md, sign, tuning 3): allgather and
+    # two_phase beat dense decisively in rounds 1-2, so dense retired; a load burst in round 4
+    # lifted both above dense's fastest early step, and with no dense steps left to pair with,
+    # neither could win any more: the phase ran to its 40 steps and locked dense, 0.80x the pin
+    burst = {3}  # 0-based: the fourth round, before min_rounds could lock
+    rng = random.Random(7)
+    cost = {"dense": 1.0, "a": 0.72, "b": 0.76}
+
+    def times(rule, step):
+        # rounds: 0-1 have 6 steps (dense, a, b), later ones 4 (a, b)
+        rnd = step // 6 if step < 12 else 2 + (step - 12) // 4
+        slow = 1.45 if rule != "dense" and rnd in burst else 1.0
+        return cost[rule] * slow * (1 + rng.uniform(-0.02, 0.02))
+
+    for stay, decision in ((True, "a"), (False, "dense")):  # False: the rules until session 26
+        monkeypatch.setattr(autotune, "RETIRED_DENSE_WINS_STAY", stay)
+        t = Autotuner(steps_per_trial=2, trials=2)
+        rules = drive(t, times, 44)
+        assert rules[:12] == ["dense", "dense", "a", "a", "b", "b"] * 2
+        assert "dense" not in rules[12:t.tuning_steps], rules  # retired after round 2
+        assert t.locked and t.decision == decision, (stay, t.table)
+        # the burst left a's range overlapping b's: both stay in play to the budget
+        assert t.tuning_steps == 40
+
+
 def test_one_stalled_step_neither_drops_nor_disqualifies_a_faster_plan():
     # a is 10% faster than dense, but its first counted step (step 3) stalls to 1.3 s: after
     # round 1 it is slower than every dense step, yet it keeps running (two samples each before
