@@ -25,6 +25,8 @@ Example::
     python bench/ddp_step.py -n 2 --netsim 10gbit --hooks dense,qsgd4@allgather,sign+ef@allgather \\
         --interleave 2 --steps 60 --no-floor --no-codec --json bench/results/step_times_10gbit_s17.json
     python bench/autotune_replay.py bench/results/step_times_10gbit_s17.json
+    # every measured tuning stored in bench/results, under two sets of rules
+    python bench/autotune_replay.py --phases --variants s25,s19 $(grep -l "autotune phase steps" bench/results/*.md)
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ def replay_phase(steps: list[tuple[str, float]], variant: str) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", help="bench/ddp_step.py --interleave 2 --json output")
+    p.add_argument("json", nargs="+", help="bench/ddp_step.py --interleave 2 --json output (with "
+                   "--phases: one or more logs or results files)")
     p.add_argument("--gains", default="-0.03,0,0.067,0.10,0.12,0.15",
                    help="gains of rule a vs dense (fraction of dense's mean step)")
     p.add_argument("--rules", type=int, default=2, choices=(1, 2, 3), help="compressed rules in play")
@@ -193,18 +196,29 @@ def main(argv=None) -> None:
                    help=f"decision rules to replay, comma-separated, of {list(VARIANTS)}")
     p.add_argument("--tunings", type=int, default=400)
     p.add_argument("--phases", action="store_true",
-                   help="json is a log or results file with 'autotune phase steps:' lines: replay "
-                        "each measured tuning under every --variants and print the decisions")
+                   help="json are logs or results files with 'autotune phase steps:' lines: replay "
+                        "each measured tuning under every --variants, print the decisions and "
+                        "count the tunings the variants decide differently")
     args = p.parse_args(argv)
     if args.phases:
         variants = args.variants.split(",")
-        print(f"{'tuning':>6} {'steps':>5} " + " ".join(f"{v:>12}" for v in variants))
-        for k, steps in enumerate(load_phases(args.json)):
-            print(f"{k:>6} {len(steps):>5} " + " ".join(f"{replay_phase(steps, v):>12}" for v in variants))
+        total = differ = 0
+        for path in args.json:
+            if len(args.json) > 1:
+                print(f"# {path}")
+            print(f"{'tuning':>6} {'steps':>5} " + " ".join(f"{v:>12}" for v in variants))
+            for k, steps in enumerate(load_phases(path)):
+                got = [replay_phase(steps, v) for v in variants]
+                total += 1
+                differ += len(set(got)) > 1
+                print(f"{k:>6} {len(steps):>5} " + " ".join(f"{g:>12}" for g in got))
+        print(f"# {differ} of {total} tunings decided differently under {', '.join(variants)}")
         return
-    hooks, blocks = load_blocks(args.json)
+    if len(args.json) != 1:
+        p.error("one step-times file, or --phases")
+    hooks, blocks = load_blocks(args.json[0])
     other = 2 if len(hooks) > 2 else 1
-    print(f"# {args.json}: {len(blocks)} blocks of {hooks}; rule a = {hooks[1]}, "
+    print(f"# {args.json[0]}: {len(blocks)} blocks of {hooks}; rule a = {hooks[1]}, "
           f"b = {hooks[other]} at gain {args.other_gain}, c = {hooks[other]} at gain {args.third_gain}; "
           f"{args.rules} rule(s) in play, {args.tunings} tunings each")
     d = [b[0] for b in blocks]

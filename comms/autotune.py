@@ -184,7 +184,7 @@ PAIRED_DROP_T = 2.0
 COUNT_EVERY_STEP_FROM = 1
 #: a rule that beat dense decisively when dense retired from the trial rounds keeps that win:
 #: dense runs no more steps to pair its later ones with, so a load burst on those must not
-#: undo it (``False``: session 25's rules, where it did — at 10 Gb/s a burst on round 5 lifted
+#: undo it (``False``: session 25's rules, where it did — at 10 Gb/s a burst in round 4 lifted
 #: sign's allgather, 1.37x dense over 17 steps, above dense's fastest early step, and the
 #: tuning ended on dense: bench/results/autotune_10gbit_s26.md)
 RETIRED_DENSE_WINS_STAY = True

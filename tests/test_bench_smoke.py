@@ -290,3 +290,7 @@ def test_replay_of_logged_tuning_phases(tmp_path):
     out = _run(["bench/autotune_replay.py", str(log), "--phases", "--variants", "s18,s19"])
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["0"], ["1"])]
     assert rows == [["0", "24", "allgather", "allgather"], ["1", "4", "?", "?"]], out
+    assert "# 0 of 2 tunings decided differently under s18, s19" in out, out
+    # several files: each one's tunings under its name, one count over all
+    out = _run(["bench/autotune_replay.py", str(log), str(log), "--phases", "--variants", "s25,s19"])
+    assert out.count(f"# {log}") == 2 and "# 0 of 4 tunings decided differently" in out, out
