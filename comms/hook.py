@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from compressors import Context
-from compressors.base import Deferred, materialized
+from compressors.deferred import Deferred, materialized
 
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
 from .deadline import clean_message, failure

@@ -49,7 +49,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from compressors.base import PayloadPool
+from compressors.memory import PayloadPool
 
 __all__ = ["PipelinedExchange", "use_pipelined", "CHUNK_BYTES", "WINDOW", "MIN_BYTES", "MAX_WORLD"]
 

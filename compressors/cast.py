@@ -8,7 +8,10 @@ from typing import ClassVar
 import torch
 
 from . import cpu_kernels
-from .base import Compressor, Deferred, check_input, fresh_empty, same_flat
+from .base import Compressor
+from .deferred import Deferred, same_flat
+from .context import check_input
+from .memory import fresh_empty
 
 __all__ = ["Cast", "CastOwn", "CastSum"]
 

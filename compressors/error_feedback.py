@@ -22,7 +22,9 @@ from typing import Sequence
 import torch
 
 from . import cpu_kernels
-from .base import Compressor, Context, Deferred
+from .base import Compressor
+from .context import Context
+from .deferred import Deferred
 
 __all__ = ["ErrorFeedback"]
 

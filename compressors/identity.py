@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from .base import Compressor, check_input
+from .base import Compressor
+from .context import check_input
 from .registry import register
 
 __all__ = ["Identity"]

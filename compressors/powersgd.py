@@ -47,7 +47,9 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels
-from .base import Compressor, Deferred, check_input
+from .base import Compressor
+from .deferred import Deferred
+from .context import check_input
 from .hashrng import SHARED, stream_key, uniform
 from .registry import register
 from .reproducible import OUTER_BLOCK_ELEMS, outer_sum_into, tree_dot, tree_norm

@@ -30,7 +30,10 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, ScaledCodesDecoder, check_align, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
+from .base import Compressor
+from .scaled_codes import ScaledCodesDecoder
+from .context import check_align, check_chunk, check_input
+from .memory import chunk_pieces, fresh_empty, numpy_view
 from .bitpack import check_bits, pack, packed_nbytes, unpack
 from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
@@ -134,7 +137,7 @@ class QSGD(ScaledCodesDecoder):
             over 2048's +0.4%, 256: +3.1%. 256 buys most of the gap for a few percent of
             bytes; ``chunk=64`` when quality matters more than 9% more bytes, 2048 when bytes do.
         align: ``"tensor"`` (default): with the bucket's parameter shapes known, the chunks
-            restart at every tensor (:class:`~compressors.base.ScaledCodesDecoder`);
+            restart at every tensor (:class:`~compressors.scaled_codes.ScaledCodesDecoder`);
             ``"flat"``: chunks of the flat bucket. The ``shared_scale`` algorithm always uses
             flat chunks (its scales are agreed before the integer allreduce).
     """

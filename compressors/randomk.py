@@ -8,7 +8,10 @@ import math
 import torch
 
 from . import cpu_kernels
-from .base import Compressor, SparseOwn, check_density, check_input, fresh_empty
+from .base import Compressor
+from .deferred import SparseOwn
+from .context import check_density, check_input
+from .memory import fresh_empty
 from .hashrng import SHARED, lowbias32_int, stream_key
 from .registry import register
 
@@ -147,7 +150,7 @@ class RandomK(Compressor):
         return acc.index_add_(0, self.indices(ctx), payload[0].to(acc.dtype))
 
     def deferred_own(self, x, payload, ctx):
-        """A :class:`~compressors.base.SparseOwn` (the shared indices are distinct) for a flat
+        """A :class:`~compressors.deferred.SparseOwn` (the shared indices are distinct) for a flat
         CPU bucket of ``ctx.dtype``, else None."""
         if x.is_cuda or x.dtype != ctx.dtype:
             return None

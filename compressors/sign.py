@@ -22,7 +22,10 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor, ScaledCodesDecoder, check_align, check_chunk, check_input, chunk_pieces, fresh_empty, numpy_view
+from .base import Compressor
+from .scaled_codes import ScaledCodesDecoder
+from .context import check_align, check_chunk, check_input
+from .memory import chunk_pieces, fresh_empty, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
 from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
@@ -80,7 +83,7 @@ class ScaledSign(ScaledCodesDecoder):
         chunk: elements per scale.
         align: ``"tensor"`` (default): when the hook passes the bucket's parameter shapes, the
             chunks restart at every tensor, so no scale mixes two tensors
-            (:class:`~compressors.base.ScaledCodesDecoder`); ``"flat"``: chunks of the flat
+            (:class:`~compressors.scaled_codes.ScaledCodesDecoder`); ``"flat"``: chunks of the flat
             bucket (the layout before issue 17). Costs at most one extra fp32 scale per tensor.
     """
 

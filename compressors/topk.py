@@ -8,7 +8,10 @@ import math
 import numpy as np
 import torch
 
-from .base import Compressor, SparseOwn, check_density, check_input, fresh_empty, numpy_view
+from .base import Compressor
+from .deferred import SparseOwn
+from .context import check_density, check_input
+from .memory import fresh_empty, numpy_view
 from .hashrng import stream_key, lowbias32_int
 from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
@@ -109,7 +112,7 @@ class TopK(Compressor):
         return [vals, idx.to(torch.int32)]
 
     def deferred_own(self, x, payload, ctx):
-        """A :class:`~compressors.base.SparseOwn` for the exact top-k of a flat fp32/fp64
+        """A :class:`~compressors.deferred.SparseOwn` for the exact top-k of a flat fp32/fp64
         bucket (distinct indices; the approximate path may pad with repeats), else None."""
         vals, idx = payload
         if not self.exact or x.is_cuda or x.dtype not in (torch.float32, torch.float64) or ctx.dtype != x.dtype:

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from compressors.base import Deferred
+from compressors.deferred import Deferred
 
 from ..deadline import advice
 from ..errors import where

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from compressors import Context
-from compressors.base import Deferred
+from compressors.deferred import Deferred
 
 from . import buffers
 from .base import Algorithm, decode_own, hand_over, round_wait

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from compressors.base import PayloadPool
+from compressors.memory import PayloadPool
 
 __all__ = ["POOL", "empty", "zeros"]
 

@@ -47,7 +47,7 @@ import math
 import torch
 
 
-from compressors.base import Deferred
+from compressors.deferred import Deferred
 
 from . import cuda_kernels as cuda_dispatch
 from . import buffers

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compressors.base import Workspace
+from compressors.memory import Workspace
 from compressors.bitpack import check_bits, pack, packed_nbytes, unpack
 from unit_reference import ref_pack
 

@@ -8,7 +8,7 @@ import torch
 
 from comms.algorithms import ALGORITHMS
 from compressors import Context, cpu_kernels, from_spec
-from compressors.base import Deferred
+from compressors.deferred import Deferred
 from compressors.cast import CastOwn, CastSum
 
 WIRES = [("fp16", torch.float16), ("bf16", torch.bfloat16)]

@@ -8,7 +8,7 @@ import torch
 from comms.algorithms import ALGORITHMS
 from comms.algorithms.allgather import GatheredSum
 from compressors import Context, from_spec
-from compressors.base import Deferred, materialized
+from compressors.deferred import Deferred, materialized
 
 SPECS = ["topk:density=0.01", "topk:density=0.05,exact=false", "randomk:density=0.02", "sign",
          "qsgd:bits=4", "qsgd:bits=8", "fp16"]
@@ -82,7 +82,7 @@ def test_sparse_own_residual_equals_x_minus_decode(spec, alg, dtype):
     """A sparsifier's ``own`` comes back as a :class:`SparseOwn`: its residual (``x`` copied,
     then ``x - v`` at the indices) has the bits of ``x - decode(own)``: -0 sent and not sent,
     inf and NaN; on the allreduce its values survive the in-place sum of the payload."""
-    from compressors.base import SparseOwn
+    from compressors.deferred import SparseOwn
 
     comp = from_spec(spec)
     n = 30_011
@@ -113,7 +113,7 @@ def test_sparse_own_residual_equals_x_minus_decode(spec, alg, dtype):
 
 
 def test_sparse_own_of_another_tensor_falls_back():
-    from compressors.base import SparseOwn
+    from compressors.deferred import SparseOwn
 
     comp = from_spec("topk:density=0.1")
     x = torch.randn(1000)
@@ -132,7 +132,7 @@ def test_own_not_wanted_is_not_decoded(spec, alg, decodes, monkeypatch):
     """``own=False`` (the hook without error feedback or masking): ``own`` comes back None and
     the compressor never decodes this rank's payload alone (random-k's one decode on the
     allreduce is the sum's); the aggregate keeps its bits."""
-    from compressors.base import Deferred
+    from compressors.deferred import Deferred
 
     comp = from_spec(spec)
     n = 20_011

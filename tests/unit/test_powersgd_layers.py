@@ -170,7 +170,7 @@ def test_powersgd_deferred_decode(rank, kernels, monkeypatch):
     written by ``into_`` have the bits of the materialized decodes (``x - own``, ``sum``),
     with the compiled pass and with the torch fallback; NaN/inf/-0 pass through as they do."""
     from compressors import cpu_kernels
-    from compressors.base import Deferred
+    from compressors.deferred import Deferred
 
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "lib", lambda *a: None)

@@ -7,7 +7,7 @@ import threading
 import torch
 
 from compressors import QSGD, Context
-from compressors.base import PayloadPool, Workspace, chunk_pieces, fresh_empty
+from compressors.memory import PayloadPool, Workspace, chunk_pieces, fresh_empty
 
 MB4 = 4 << 20
 
