@@ -9,7 +9,8 @@ import torch
 import compressors
 from comms.algorithms.shared_scale import shared_scale_levels
 from comms.launch import spawn
-from compressors.powersgd import PowerSGD, matrix_shape
+from compressors.powersgd import PowerSGD
+from compressors.powersgd_layers import matrix_shape
 from dist import algo_ranks
 from dist.ranks import train
 

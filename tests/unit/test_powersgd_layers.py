@@ -9,7 +9,8 @@ import torch
 import compressors
 from comms.algorithms import ALGORITHMS
 from compressors import Context
-from compressors.powersgd import PowerSGD, orthogonalize_, orthogonalize_batched_
+from compressors.powersgd import PowerSGD
+from compressors.powersgd_layers import orthogonalize_, orthogonalize_batched_
 
 
 class LocalComm:
@@ -194,7 +195,7 @@ def test_powersgd_deferred_decode(rank, kernels, monkeypatch):
     assert torch.equal(bits(dtotal.residual_(x, torch.empty(n))), bits(x - total))
     # the residual and the aggregate in one pass (the hook's path): an aggregate whose Q and
     # uncompressed elements differ from this rank's own, as they do at world size > 1
-    from compressors.powersgd import LayerDecode
+    from compressors.powersgd_layers import LayerDecode
     q_sum = dtotal.qbuf * 1.5 - 0.25
     agg = LayerDecode(c, dtotal.rnd, q_sum, False)
     mine = LayerDecode(c, dtotal.rnd, down.qbuf, True)
