@@ -97,10 +97,10 @@ def chunk_absmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
 def _to_codes(t: torch.Tensor, h: torch.Tensor, codes: torch.Tensor) -> None:
     """uint8 ``codes = t`` for fp32 ``t`` already clamped to [0, M] (or NaN -> 0).
 
-    Truncation equals floor there. torch's fp32 -> uint8 copy is slow on CPU, so numpy's cast
-    is used (torch's fp32 -> int32 -> uint8 where numpy cannot; figures in
-    bench/results/compressors.md); all give 0 for NaN (checked at import; otherwise the torch
-    route is used).
+    Truncation equals floor there. torch's fp32 -> uint8 copy is slow on CPU (per 25M values:
+    13 ms, numpy's cast 2 ms, torch's fp32 -> int32 -> uint8 4 ms), so numpy's cast is used
+    (torch's fp32 -> int32 -> uint8 where numpy cannot); all give 0 for NaN (checked at
+    import; otherwise the torch route is used).
     """
     if _NP_CAST_OK and t.device.type == "cpu":
         with np.errstate(invalid="ignore"):
@@ -129,9 +129,8 @@ class QSGD(ScaledCodesDecoder):
     Args:
         bits: 1, 2, 4 or 8 bits per element on the wire.
         chunk: elements per scale (one fp32 scale per chunk). Default 2048, and 256 for 4 bits:
-            4-bit codes are coarse enough that the scale's reach matters. Measured (issue 17,
-            bench/results/qsgd4_chunk.md, allgather, 2 ranks, final loss / dense in the same
-            run): char transformer (AdamW, 300 steps) chunk 64 / 256 / 2048 / 2048-flat =
+            4-bit codes are coarse enough that the scale's reach matters. Measured (allgather,
+            2 ranks, final loss / dense in the same run): char transformer (AdamW, 300 steps) chunk 64 / 256 / 2048 / 2048-flat =
             1.000 / 1.007 / 1.011 / 1.016; digits MLP and the momentum task within ±0.6% for
             every chunk 32-2048. Wire cost per element: 4 + 32/chunk bits — 64: +12.5% bytes
             over 2048's +0.4%, 256: +3.1%. 256 buys most of the gap for a few percent of
@@ -173,7 +172,8 @@ class QSGD(ScaledCodesDecoder):
         return self.bits
 
     def config(self):
-        # align only when not the default: specs (and checkpoints) from before issue 17 read the same
+        # align only when not the default: specs and checkpoints written without an align
+        # key read the same
         return {"bits": self.bits, "chunk": self.chunk} | ({"align": self.align} if self.align != "tensor" else {})
 
     @property
@@ -198,30 +198,35 @@ class QSGD(ScaledCodesDecoder):
         x = x.detach().reshape(-1)
         n = x.numel()
         dev = x.device
-        c, bits, M = self.chunk, self.bits, self.levels
-        nch = self.nchunks(n)
-        s = torch.zeros(nch, dtype=torch.float32, device=dev)
-        packed = self.payload_pool().empty(packed_nbytes(n, bits), torch.uint8, dev)
+        s = torch.zeros(self.nchunks(n), dtype=torch.float32, device=dev)
+        packed = self.payload_pool().empty(packed_nbytes(n, self.bits), torch.uint8, dev)
         if n == 0:
             return [s, packed]
         key = stream_key(ctx.seed, ctx.step, ctx.bucket, ctx.rank)
-        B = self.block_for(dev)  # validates a user-set block even where the kernel runs
+        self.block_for(dev)  # validates a user-set block even where the kernel runs
         ck = cpu_kernels.lib(x)
         if ck is not None and x.is_contiguous() and cpu_kernels.dtype_code(x.dtype) is not None:
             # one fused pass per chunk (scale, rounding, codes, packing); same bits as below
-            ck.cp_qsgd_encode(x.data_ptr(), cpu_kernels.dtype_code(x.dtype), n, c, bits, key,
-                              s.data_ptr(), packed.data_ptr(), cpu_kernels.threads())
+            ck.cp_qsgd_encode(x.data_ptr(), cpu_kernels.dtype_code(x.dtype), n, self.chunk,
+                              self.bits, key, s.data_ptr(), packed.data_ptr(), cpu_kernels.threads())
             return [s, packed]
-        half = torch.tensor(M * 0.5, dtype=torch.float32)
+        self._encode_blocks(x, key, s, packed)
+        # a NaN scale's bits depend on which max/abs kernel met it first (torch's vector max
+        # gives 0xFFFFFFFF): one canonical quiet NaN, as the compiled kernel writes
+        sn = numpy_view(s)
+        if sn is not None:
+            sn[np.isnan(sn)] = np.nan
+        return [s, packed]
+
+    def _encode_blocks(self, x, key: int, s: torch.Tensor, packed: torch.Tensor) -> None:
+        """The torch encode of flat ``x`` (no compiled kernel): scales into ``s``, packed codes
+        into ``packed``, block by block over reused scratch buffers."""
+        n, dev, c = x.numel(), x.device, self.chunk
+        half = torch.tensor(self.levels * 0.5, dtype=torch.float32)
         B = self.block_for(dev)
         cap = min(B, n)
         ws = self.workspace()
-        t = ws.get("t", cap, torch.float32, dev)
-        h = ws.get("h", cap, torch.int32, dev)
-        tmp = ws.get("tmp", cap, torch.int32, dev)
-        v = tmp.view(torch.float32)  # u's fp32 values reuse tmp once the hash is done
-        iota = ws.iota(min(B, 1 << 16), dev)
-        r = torch.empty(nch, dtype=torch.float32, device=dev)
+        r = torch.empty(s.numel(), dtype=torch.float32, device=dev)
         # each block holds whole chunks when the chunk divides the (aligned) block: one pass
         fused = B % c == 0
         if not fused:
@@ -230,39 +235,39 @@ class QSGD(ScaledCodesDecoder):
             self._inv_scale(s, half, r)
         for b0 in range(0, n, B):
             b1 = min(n, b0 + B)
-            L = b1 - b0
-            tb = t[:L]
             if fused:
                 _absmax_fold_(x, b0, b1, c, s)
                 ci0, ci1 = b0 // c, -(-b1 // c)
                 self._inv_scale(s[ci0:ci1], half, r[ci0:ci1])
-            # t = fl(x * r) per chunk, then fl(t + M/2), then fl(t + u)
-            for lo, hi, ci, rows in chunk_pieces(b0, b1, c):
-                xs, ts = x[lo:hi], tb[lo - b0:hi - b0]
-                rs = r[ci]
-                if rows:
-                    xs, ts, rs = xs.view(rows, c), ts.view(rows, c), r[ci:ci + rows].unsqueeze(1)
-                if x.dtype == torch.float32:
-                    torch.mul(xs, rs, out=ts)
-                else:  # exact widening first, so the product is an fp32 product
-                    ts.copy_(xs).mul_(rs)
-            tb.add_(half)
-            hb = h[:L]
-            add_uniform_(tb, b0, key, hb, tmp[:L], v[:L], iota)
-            # q = clamp(floor(t), 0, M): clamping first and then truncating toward zero (the
-            # float -> integer cast) gives the same integers, as t > -1 always
-            tb.clamp_(0, M)
-            codes = packed[b0:b1] if bits == 8 else ws.get("codes", cap, torch.uint8, dev)[:L]
-            _to_codes(tb, hb, codes)
-            if bits != 8:
-                nb0 = b0 * bits // 8  # b0 is a multiple of 8 (B is)
-                pack(codes, bits, out=packed[nb0:nb0 + packed_nbytes(L, bits)], ws=ws)
-        # a NaN scale's bits depend on which max/abs kernel met it first (torch's vector max
-        # gives 0xFFFFFFFF): one canonical quiet NaN, as the compiled kernel writes
-        sn = numpy_view(s)
-        if sn is not None:
-            sn[np.isnan(sn)] = np.nan
-        return [s, packed]
+            self._encode_block(x, b0, b1, r, half, key, packed, ws, cap)
+
+    def _encode_block(self, x, b0: int, b1: int, r, half, key: int, packed, ws, cap: int) -> None:
+        """Codes of elements ``[b0, b1)`` (``r``: the inverse scales) into ``packed``."""
+        c, bits, dev, L = self.chunk, self.bits, x.device, b1 - b0
+        tb = ws.get("t", cap, torch.float32, dev)[:L]
+        tmp = ws.get("tmp", cap, torch.int32, dev)
+        v = tmp.view(torch.float32)  # u's fp32 values reuse tmp once the hash is done
+        # t = fl(x * r) per chunk, then fl(t + M/2), then fl(t + u)
+        for lo, hi, ci, rows in chunk_pieces(b0, b1, c):
+            xs, ts = x[lo:hi], tb[lo - b0:hi - b0]
+            rs = r[ci]
+            if rows:
+                xs, ts, rs = xs.view(rows, c), ts.view(rows, c), r[ci:ci + rows].unsqueeze(1)
+            if x.dtype == torch.float32:
+                torch.mul(xs, rs, out=ts)
+            else:  # exact widening first, so the product is an fp32 product
+                ts.copy_(xs).mul_(rs)
+        tb.add_(half)
+        hb = ws.get("h", cap, torch.int32, dev)[:L]
+        add_uniform_(tb, b0, key, hb, tmp[:L], v[:L], ws.iota(min(self.block_for(dev), 1 << 16), dev))
+        # q = clamp(floor(t), 0, M): clamping first and then truncating toward zero (the
+        # float -> integer cast) gives the same integers, as t > -1 always
+        tb.clamp_(0, self.levels)
+        codes = packed[b0:b1] if bits == 8 else ws.get("codes", cap, torch.uint8, dev)[:L]
+        _to_codes(tb, hb, codes)
+        if bits != 8:
+            nb0 = b0 * bits // 8  # b0 is a multiple of 8 (B is)
+            pack(codes, bits, out=packed[nb0:nb0 + packed_nbytes(L, bits)], ws=ws)
 
     @staticmethod
     def _inv_scale(s: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
