@@ -68,7 +68,7 @@ from .algorithms.two_phase import decode_sum, scatter_send
 from .communicator import TorchCommunicator
 from .config_check import ConfigCheck
 from .errors import where
-from .state import _hash64, _plain, _to_device
+from .checkpoint import hash64 as _hash64, plain as _plain, to_device as _to_device
 from .stats import record_call
 
 __all__ = ["register", "FSDPCompressionState", "CompressedReduceScatter", "ReplicateAllReduce",
