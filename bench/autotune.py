@@ -61,7 +61,7 @@ TUNING_COLUMNS = ["group", "round", "locked", "tuned", "retuned", "auto_ms", "de
                   "best_fixed_ms", "vs_dense", "vs_best_fixed", "torch_hook", "vs_torch", "copy_vs_pin"]
 COPY = " (copy)"  # --control: the name suffix of the identical second row
 TORCH_HOOKS = ("match", "all", "none")
-# issue 12's targets for every tuning in steady state, and the decision's consistency
+# the tuner's targets for every tuning in steady state, and the decision's consistency
 MIN_VS_BEST_FIXED, MIN_VS_DENSE, MIN_SAME_DECISION = 0.95, 0.97, 0.8
 
 
@@ -91,7 +91,7 @@ def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list, torch_ro
 
 
 def tuning_verdict(rows: list[dict]) -> str:
-    """Against issue 12's targets: every tuning >= 0.95x the best fixed and >= 0.97x dense; the
+    """Against the tuner's targets: every tuning >= 0.95x the best fixed and >= 0.97x dense; the
     same decision in >= 80% of the tunings."""
     from collections import Counter
 

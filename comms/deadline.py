@@ -1,6 +1,6 @@
 """Bounded waits: no rank of commpress waits longer than the timeout for a stuck or dead peer.
 
-Why this exists (issue 18). gloo bounds each collective by the process-group timeout once the
+Why this exists. gloo bounds each collective by the process-group timeout once the
 collective *runs*, but a survivor can still wait forever:
 
 * DDP's reducer waits, without a timeout, on the futures the hook returned; a future whose

@@ -113,34 +113,8 @@ def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    allowed = set(allow_dead)
     try:
-        while len(results) + len(errors) + sum(
-                1 for r in allowed if procs[r].exitcode not in (None, 0)
-                and r not in results and r not in errors) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"spawn: timed out after {timeout:.0f}s; finished ranks "
-                                   f"{sorted(results)}, failed {sorted(errors)}")
-            try:
-                rank, ok, val = q.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
-                if dead:
-                    time.sleep(0.5)  # let a traceback that is in flight arrive
-                    while not q.empty():
-                        rank, ok, val = q.get()
-                        (results if ok else errors)[rank] = val
-                    dead = [r for r in dead if r not in results and r not in errors and r not in allowed]
-                    if dead:
-                        raise RuntimeError(f"spawn: rank(s) {dead} died with exit codes "
-                                           f"{[procs[r].exitcode for r in dead]}") from None
-                continue
-            (results if ok else errors)[rank] = val
-            if errors:
-                break
+        _collect(procs, q, timeout, set(allow_dead), results, errors)
         if errors:
             r = min(errors)
             raise RuntimeError(f"spawn: rank {r} failed:\n{errors[r]}")
@@ -151,3 +125,37 @@ def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0,
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+def _collect(procs: list, q, timeout: float, allowed: set, results: dict, errors: dict) -> None:
+    """Fill ``results``/``errors`` (rank -> pickled result / traceback) from the ranks' queue
+    until every rank has reported or died as allowed, or the first error arrives; raises on
+    the timeout and on a rank that died without reporting (and is not in ``allowed``)."""
+    world = len(procs)
+    deadline = time.monotonic() + timeout
+
+    def unreported_dead():
+        return [r for r, p in enumerate(procs)
+                if p.exitcode not in (None, 0) and r not in results and r not in errors]
+
+    while len(results) + len(errors) + sum(1 for r in unreported_dead() if r in allowed) < world:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"spawn: timed out after {timeout:.0f}s; finished ranks "
+                               f"{sorted(results)}, failed {sorted(errors)}")
+        try:
+            rank, ok, val = q.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            if unreported_dead():
+                time.sleep(0.5)  # let a traceback that is in flight arrive
+                while not q.empty():
+                    rank, ok, val = q.get()
+                    (results if ok else errors)[rank] = val
+                dead = [r for r in unreported_dead() if r not in allowed]
+                if dead:
+                    raise RuntimeError(f"spawn: rank(s) {dead} died with exit codes "
+                                       f"{[procs[r].exitcode for r in dead]}") from None
+            continue
+        (results if ok else errors)[rank] = val
+        if errors:
+            return

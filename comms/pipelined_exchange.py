@@ -7,17 +7,17 @@ isend/irecv pair per peer 412 ms, where the link allows 200 ms and gloo's own al
 the same bytes takes 213 ms). Cutting the buffer into 1 MiB chunks and exchanging them with
 every peer at once, one chunk in flight per peer (post the sends and receives of chunk c, wait
 for them, go on), runs at the link rate: 209 ms (window 2-4 or 256 KiB-4 MiB chunks measured
-within 10% of it; 1 MiB, window 1 was the best). Since session 23 **two chunks are in flight**
+within 10% of it; 1 MiB, window 1 was the best). **Two chunks are in flight**
 (:data:`WINDOW`): post chunk c+1 before waiting for chunk c, so the link does not idle while
 the worker thread turns around. Measured on netsim, 2 ranks, four schedules interleaved in one
-run, 15 exchanges each (bench/results/pipelined_window_s23.md): at 1 Gb/s the allgather's
+run, 15 exchanges each, window 1 -> 2: at 1 Gb/s the allgather's
 median went 243 -> 227 ms at 25 MB per rank (gloo's allreduce of the same wire bytes: 219 ms),
 129 -> 122 ms at 13 MB, 83 -> 76 ms at 8 MB; at 10 Gb/s 31.5 -> 28.0 ms at 13 MB, 22.6 -> 18.6
 ms at 8 MB, 47.4 -> 47.2 at 25 MB; all_to_all at 1 Gb/s 274 -> 258 ms (25 MB). Window 4 and
 2 MiB chunks ran within noise of window 2 or slower at 1 Gb/s (25 MB: 240 / 234 ms). At 4
 ranks with 8 MB per rank (every peer at once, 24 MB up per rank: 192 ms at the link rate) the
-same exchange took 222 ms against gloo's allgather 325 ms. (``/tmp`` scripts of session 3, the rows of ``bench/collectives.py
---transport`` repeat them.)
+same exchange took 222 ms against gloo's allgather 325 ms. (The rows of
+``bench/collectives.py --transport`` repeat these measurements.)
 
 gloo's point-to-point ``Work`` has no ``get_future()``, so the exchange runs on one worker
 thread per communicator, in the order the caller issued the exchanges (the same order on

@@ -326,8 +326,8 @@ class Planner:
         """Sort key of a rule among tied winners, per bucket (largest first): first how many
         times it compresses the bucket (``Algorithm.compress_stages``: a two_phase plan's owners
         compress the sum again — top-k's owners keep k of up to ``world * k`` values, which
-        cost the momentum task 1.093x dense's loss at 4 ranks against allgather's 1.032,
-        bench/results/convergence_oddconv_4ranks_s25.md; a tie in step time must not buy
+        cost the momentum task 1.093x dense's loss at 4 ranks against allgather's 1.032;
+        a tie in step time must not buy
         that), then the bytes its collectives put on the slowest tier's links, then its local
         codec work
         (:meth:`CostModel.codec_seconds`, in whole milliseconds: :data:`MIN_GAIN_S`), then
@@ -335,9 +335,8 @@ class Planner:
         allgather, two_phase, shared_scale, hierarchical). Fewer bytes is the plan that keeps
         winning when the link changes; with the bytes equal, the work around the wire decides
         — at 2 ranks qsgd8's shared_scale decodes one integer sum where allgather decodes and
-        adds two payloads, and it ran 4-9% faster in every measured run (unshaped, 10 Gb/s,
-        1 Gb/s: bench/results/autotune_unshaped_s21_control.md, autotune_10gbit_s22_control.md,
-        autotune_1gbit_s21_control.md) where hops alone picked allgather — and a
+        adds two payloads, and it ran 4-9% faster in every measured run (unshaped, 10 Gb/s
+        and 1 Gb/s links) where hops alone picked allgather — and a
         sparsifier's adds are too small to count (random-k: allgather, in half the hops of an
         allreduce). Only the agreed cost model, world sizes, shapes and the
         compressor enter: the same key on every rank."""

@@ -80,11 +80,10 @@ class RandomK(Compressor):
     #: the residual of 1% random-k holds ~100 steps of velocity that leave at once. 10 sat
     #: at a cliff (momentum task, 4 seeds: 12 diverged on all 4, 10 reached 1.33x dense's
     #: loss on one); 5: 1.09-1.14x there, and on the 25M MLP (200 steps) 0.10 where 10 ended
-    #: at 1.2 (bench/results/convergence_randomk_bound_s24.md)
+    #: at 1.2
     default_residual_bound = 5.0
     # no default warm-up (top-k has 5 steps): the same 5-step ramp diverged on 2 of 4 seeds
-    # of the momentum task (oddconv: 6e6x and 3.0x dense's loss;
-    # bench/results/convergence_topk_warmup5_s22.md)
+    # of the momentum task (oddconv: 6e6x and 3.0x dense's loss)
     default_warmup_steps = 0
 
     @classmethod

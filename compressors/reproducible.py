@@ -6,7 +6,7 @@ promise that: a BLAS ``gemm`` (MKL, OpenBLAS, cuBLAS) may pick its kernel, block
 FMA use by pointer alignment, thread count, concurrent callers or CPU generation, and a
 torch ``sum``/``norm``/``dot`` accumulates in an order that depends on the thread count and
 the SIMD width the CPU dispatches to. Seen here: PowerSGD rank 2 rebuilt ``P Q^T`` with MKL
-and two ranks differed by one ulp after 10 steps (issue 16).
+and two ranks differed by one ulp after 10 steps.
 
 The functions below use only elementwise IEEE-754 operations (``mul``, ``add`` with
 ``alpha = 1``, ``sub``, ``div``, ``sqrt``) issued in a fixed program order, so their result

@@ -84,7 +84,7 @@ class ScaledSign(ScaledCodesDecoder):
         align: ``"tensor"`` (default): when the hook passes the bucket's parameter shapes, the
             chunks restart at every tensor, so no scale mixes two tensors
             (:class:`~compressors.scaled_codes.ScaledCodesDecoder`); ``"flat"``: chunks of the flat
-            bucket (the layout before issue 17). Costs at most one extra fp32 scale per tensor.
+            bucket. Costs at most one extra fp32 scale per tensor.
     """
 
     _cuda_decompress = cuda_dispatch.sign_decompress
@@ -111,7 +111,8 @@ class ScaledSign(ScaledCodesDecoder):
         self.align = check_align(align)
 
     def config(self):
-        # align only when not the default: specs (and checkpoints) from before issue 17 read the same
+        # align only when not the default: specs and checkpoints written without an align
+        # key read the same
         return {"chunk": self.chunk} | ({"align": self.align} if self.align != "tensor" else {})
 
     def nchunks(self, numel):

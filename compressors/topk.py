@@ -52,7 +52,7 @@ class TopK(Compressor):
     sparsifies = True
     # DGC's warm-up over 5 steps (the hook sends its 46% and 22% steps dense, then 10%, 4.6%,
     # 2.2%): on the momentum task (oddconv, 4 seeds) allgather 1.059 -> 1.047x dense's loss,
-    # two_phase 1.091 -> 1.070 (bench/results/convergence_topk_warmup5_s22.md)
+    # two_phase 1.091 -> 1.070
     default_warmup_steps = 5
 
     @classmethod
