@@ -1,19 +1,26 @@
 """Integrations with training frameworks (optional extras: ``pip install "commpress[integrations]"``).
 
-* :mod:`comms.integrations.lightning` — ``CommpressDDPStrategy``: Lightning's ``DDPStrategy``
-  that registers the commpress hook on CPU and GPU alike and keeps its per-rank state in
-  Lightning checkpoints. Fabric: ``comms.register(fabric_model._forward_module, spec)``
-  after ``fabric.setup(model)`` (see that module's docstring).
-* :mod:`comms.integrations.accelerate` — ``register(accelerator, model, spec)``: the hook on
-  the model ``accelerator.prepare`` returned (compiled models unwrapped), its state saved and
-  restored by ``accelerator.save_state`` / ``load_state``.
+Each trains like ``comms.register(ddp, spec, optimizer=opt, **options)`` on the same model:
+every ``register`` option, the same optimizer pairing (SGD's momentum moves into the hook),
+options validated before anything runs, every rank's state in the framework's checkpoints
+(a WARNING when a checkpoint without it is loaded while compressing).
 
-Neither is imported by ``import comms``; each imports its framework when imported.
+* :mod:`comms.integrations.lightning` — ``CommpressDDPStrategy`` (also
+  ``strategy="commpress_ddp"`` with ``COMMPRESS_SPEC``); :mod:`comms.integrations.callback` —
+  ``CommpressStatsCallback`` (wire bytes, ratio, autotune plan in Lightning's logger).
+* :mod:`comms.integrations.fabric` — ``register(fabric, model, spec, optimizer=opt)``, ``load``.
+* :mod:`comms.integrations.accelerate` — ``register(accelerator, model, spec, optimizer=opt)``
+  (DDP or FSDP2), ``load_state``.
+* :mod:`comms.integrations.pairing` — what they share (``check_options``,
+  ``register_paired``, ``summary``), framework-free.
+
+None is imported by ``import comms``; each imports its framework when imported.
 
 Example::
 
     >>> from comms.integrations.lightning import CommpressDDPStrategy
-    >>> trainer = Trainer(strategy=CommpressDDPStrategy("topk:density=0.01"), devices=2)
+    >>> trainer = Trainer(strategy=CommpressDDPStrategy("topk:density=0.01"), accelerator="cpu",
+    ...                   devices=2)
 """
 
 from .rank_states import RankStates

@@ -1,82 +1,178 @@
 """Lightning: ``CommpressDDPStrategy``, a ``DDPStrategy`` that compresses gradients.
 
-Lightning's own ``DDPStrategy(ddp_comm_state=, ddp_comm_hook=)`` registers a hook only when
-the device is CUDA (on CPU it silently registers nothing). This strategy registers the
-commpress hook (:func:`comms.register`) on the wrapped ``DistributedDataParallel`` on any
-device, and keeps every rank's state (residuals, step counter, layouts) in the Lightning
-checkpoint under ``"commpress"`` (gathered at save through
-:class:`~comms.integrations.rank_states.RankStates`, each rank's own entry restored at
-load, whether Lightning restores before or after the strategy's setup).
+It trains like ``comms.register(ddp, spec, optimizer=opt, **options)`` on the same model:
 
-Fabric has no hook argument; register on the DDP module that ``fabric.setup`` wraps::
+* every ``comms.register`` option is an argument (``algorithm``, ``momentum``, ``clip_norm``,
+  ``warmup_steps``, ...; the commpress wait bound is ``commpress_timeout``, since
+  ``timeout`` is ``DDPStrategy``'s process-group timeout), validated in ``__init__``, before
+  any process starts (a bad spec, an unknown algorithm, an algorithm the compressor cannot
+  run, a bad option type, an argument neither commpress nor DDP knows);
+* the hook is registered after Lightning built the optimizers, and pairs with them as
+  ``register(..., optimizer=opt)`` does: SGD's momentum moves into the hook and the
+  optimizer's goes to 0 (several optimizers: one shared momentum or none, else a
+  ``ValueError`` with the reason; :func:`~comms.integrations.pairing.register_paired`);
+* the hook goes on CPU and GPU alike (Lightning's own ``ddp_comm_hook`` only on CUDA);
+* every rank's state (residuals, velocities, step, layouts, locked plan) is in the Lightning
+  checkpoint under ``"commpress"``; a checkpoint without it logs a WARNING (the residuals
+  restart from zero), and an optimizer restored with momentum is set back to 0;
+* ``strategy="commpress_ddp"`` (or ``"commpress_ddp_spawn"``) by name, with the spec from the
+  ``COMMPRESS_SPEC`` environment variable — importing this module registers the names;
+  in a LightningCLI YAML use the class path (all options)::
 
-    model = fabric.setup(model)
-    state = comms.register(model._forward_module, "topk:density=0.01")
+      trainer:
+        strategy:
+          class_path: comms.integrations.lightning.CommpressDDPStrategy
+          init_args: {compressor: "topk:density=0.01", algorithm: allgather}
+
+Where the state is: ``strategy.commpress_state`` on every rank during and after ``fit``
+(popen launch, the default). With ``start_method="spawn"`` the ranks are child processes: the
+parent's ``commpress_state`` stays ``None`` and ``strategy.commpress_report`` /
+``strategy.commpress_stats`` hold rank 0's report and :func:`~comms.integrations.pairing.summary`
+after ``fit``. :class:`~comms.integrations.callback.CommpressStatsCallback` logs the stats.
 
 Example::
 
+    >>> import lightning as L
     >>> from comms.integrations.lightning import CommpressDDPStrategy
-    >>> strategy = CommpressDDPStrategy("topk:density=0.01", start_iter=2)
-    >>> trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2)
-    >>> trainer.fit(model)
-    >>> print(strategy.commpress_state.report())
+    >>> from comms.integrations.callback import CommpressStatsCallback
+    >>> strategy = CommpressDDPStrategy("topk:density=0.01", algorithm="allgather")
+    >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=50,
+    ...                     callbacks=[CommpressStatsCallback()])
+    >>> trainer.fit(model)          # model.configure_optimizers: SGD(lr, momentum=0.9)
+    >>> print(strategy.commpress_report)
 """
 
 from __future__ import annotations
 
+import inspect
+import io
 import logging
-from typing import Any, Mapping
+import os
+from typing import Any, Mapping, Optional, Union
 
-from lightning.pytorch.strategies import DDPStrategy
+import torch
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch.nn.parallel import DistributedDataParallel
 
-from compressors import from_spec
-
-from ..register import register
+from ..register import check_optimizer, take_over_momentum
+from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, \
+    warn_no_state
 from .rank_states import RankStates
 
-__all__ = ["CommpressDDPStrategy", "CHECKPOINT_KEY"]
+__all__ = ["CommpressDDPStrategy", "CHECKPOINT_KEY", "SPEC_ENV", "STRATEGY_NAME"]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "commpress"
+#: the environment variable ``strategy="commpress_ddp"`` reads the spec from
+SPEC_ENV = "COMMPRESS_SPEC"
+STRATEGY_NAME = "commpress_ddp"
 
-_REGISTER_KEYS = ("check_replicas_every", "error_feedback", "start_iter", "algorithm", "seed",
-                  "min_compress_numel", "autotune", "autotune_steps", "warmup_steps")
+_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
+
+
+def _known_ddp_args() -> set[str]:
+    """What ``DDPStrategy`` and ``DistributedDataParallel`` accept (the rest would fail at fit)."""
+    names = set(inspect.signature(DDPStrategy.__init__).parameters)
+    names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    return names - {"self", "kwargs", "module"}
 
 
 class CommpressDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` with the commpress hook on CPU and GPU.
+    """``DDPStrategy`` with the commpress hook, paired with Lightning's optimizers.
 
     Args:
-        compressor: a :class:`compressors.Compressor` or a spec string.
-        **kwargs: options of :func:`comms.register` (``algorithm``, ``error_feedback``,
-            ``start_iter``, ``seed``, ``min_compress_numel``, ``check_replicas_every``,
-            ``autotune``, ``autotune_steps``, ``warmup_steps``); everything else goes to
-            ``DDPStrategy``
-            (``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper`` are refused: DDP
-            takes one hook).
+        compressor: a spec string (``"topk:density=0.01"``) or a :class:`compressors.Compressor`;
+            ``None``: the ``COMMPRESS_SPEC`` environment variable.
+        algorithm, momentum, momentum_masking, clip_norm, residual_bound, warmup_steps,
+            error_feedback, start_iter, seed, min_compress_numel, autotune, autotune_steps,
+            check_replicas_every: as :func:`comms.register` (defaults are its defaults).
+            ``momentum=None`` takes SGD's momentum over from the optimizer.
+        commpress_timeout: ``comms.register``'s ``timeout`` (seconds any commpress wait may
+            last); ``None``: the process group's, i.e. this strategy's ``timeout``.
+        **kwargs: ``DDPStrategy`` and ``DistributedDataParallel`` arguments
+            (``process_group_backend``, ``start_method``, ``find_unused_parameters``, ...).
 
     Raises:
-        ValueError: a bad compressor spec or a DDP hook argument (at construction).
+        ValueError / TypeError: a missing or bad spec, an unknown or unsupported algorithm, a
+            bad option, an argument unknown to commpress, ``DDPStrategy`` and DDP, or a DDP hook
+            argument (DDP takes one hook) — all here, before any process starts.
     """
 
-    def __init__(self, compressor, **kwargs: Any):
-        for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+    def __init__(self, compressor: Union[str, Any, None] = None, *, algorithm: Optional[str] = "auto",
+                 momentum: Optional[float] = None, momentum_masking: Union[str, bool] = "held",
+                 clip_norm: Optional[float] = None, residual_bound: Union[float, str, None] = "auto",
+                 warmup_steps: Union[int, str] = "auto", error_feedback: Optional[bool] = None,
+                 start_iter: int = 2, seed: int = 0, min_compress_numel: int = 0,
+                 autotune: bool = True, autotune_steps: int = 2,
+                 commpress_timeout: Optional[float] = None, check_replicas_every: Optional[int] = None,
+                 **kwargs: Any):
+        for k in _HOOK_ARGS:
             if kwargs.get(k) is not None:
                 raise ValueError(f"CommpressDDPStrategy registers its own DDP hook; {k} is not allowed")
-        self.commpress_compressor = from_spec(compressor)  # validated here, not at fit time
-        self.commpress_kwargs = {k: kwargs.pop(k) for k in _REGISTER_KEYS if k in kwargs}
+        unknown = sorted(set(kwargs) - _known_ddp_args())
+        if unknown:
+            raise TypeError(f"CommpressDDPStrategy got unknown argument(s) {unknown}: neither a "
+                            "commpress option nor a DDPStrategy / DistributedDataParallel argument")
+        if compressor is None:
+            compressor = os.environ.get(SPEC_ENV) or None
+            if compressor is None:
+                raise ValueError(f"CommpressDDPStrategy needs a compressor spec: pass "
+                                 f"compressor=... or set {SPEC_ENV} (e.g. {SPEC_ENV}=topk:density=0.01)")
+        options = dict(algorithm=algorithm, momentum=momentum, momentum_masking=momentum_masking,
+                       clip_norm=clip_norm, residual_bound=residual_bound, warmup_steps=warmup_steps,
+                       error_feedback=error_feedback, start_iter=start_iter, seed=seed,
+                       min_compress_numel=min_compress_numel, autotune=autotune,
+                       autotune_steps=autotune_steps, timeout=commpress_timeout,
+                       check_replicas_every=check_replicas_every)
+        self.commpress_compressor = check_options(compressor, options).compressor
+        self.commpress_options = options
         super().__init__(**kwargs)
         self.commpress_state = None
-        self._commpress_pending: dict | None = None
+        self._commpress_pending: Optional[dict] = None
+        self._commpress_spawned: Optional[dict] = None  # rank 0's results after a spawn launch
 
+    # -- where the state is -------------------------------------------------------------
+    @property
+    def commpress_stats(self) -> Optional[dict]:
+        """:func:`~comms.integrations.pairing.summary` of this rank's state (after a spawn
+        launch, in the parent: rank 0's); ``None`` before ``fit``."""
+        if self.commpress_state is not None:
+            return summary(self.commpress_state)
+        return None if self._commpress_spawned is None else self._commpress_spawned["stats"]
+
+    @property
+    def commpress_report(self) -> Optional[str]:
+        """``commpress_state.report()`` (after a spawn launch, in the parent: rank 0's)."""
+        if self.commpress_state is not None:
+            return self.commpress_state.report()
+        return None if self._commpress_spawned is None else self._commpress_spawned["report"]
+
+    # -- registration, after Lightning built the optimizers ------------------------------
     def _register_ddp_hooks(self) -> None:
-        # DDPStrategy registers hooks on CUDA only; ours goes on any device
-        self.commpress_state = register(self.model, self.commpress_compressor, **self.commpress_kwargs)
-        if self._commpress_pending is not None:  # Lightning restored the checkpoint before setup
-            RankStates(self.commpress_state).load_state_dict(self._commpress_pending)
-            self._commpress_pending = None
+        # DDPStrategy registers hooks on CUDA only, and before the optimizers exist: the
+        # commpress hook is registered in setup_optimizers, paired with them
+        self.commpress_state = None
 
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        if not isinstance(self.model, DistributedDataParallel):
+            return  # not fitting: nothing is reduced
+        state = getattr(self.model, "_commpress_state", None)
+        if state is None:
+            self.commpress_state = register_paired(self.model, self.commpress_compressor,
+                                                   self.optimizers, **self.commpress_options)
+            if self._commpress_pending is not None:  # restored before setup
+                RankStates(self.commpress_state).load_state_dict(self._commpress_pending)
+                self._commpress_pending = None
+            return
+        for opt in map(unwrap_optimizer, self.optimizers):  # optimizers rebuilt on the same model
+            if state.momentum is not None and self.commpress_options["momentum"] is None:
+                take_over_momentum(opt)
+            check_optimizer(state, opt)
+
+    # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
         # every rank is here (Trainer.save_checkpoint is collective): gather, rank 0 writes
         if self.commpress_state is not None:
@@ -87,8 +183,53 @@ class CommpressDDPStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         sd = checkpoint.get(CHECKPOINT_KEY)
         if sd is None:
+            if self.global_rank == 0:
+                trainer = getattr(self.lightning_module, "_trainer", None)
+                warn_no_state(getattr(trainer, "ckpt_path", None) or "being restored",
+                              self.commpress_compressor.spec())
             return
         if self.commpress_state is None:
             self._commpress_pending = sd  # the hook is registered in setup, after this
         else:
             RankStates(self.commpress_state).load_state_dict(sd)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # a checkpoint of a run without the take-over brings the optimizer's momentum back
+        repair_momentum(self.commpress_state, self.optimizers, "the checkpoint")
+
+    # -- spawn: rank 0's results reach the parent -----------------------------------------
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _CommpressLauncher(self, start_method=self._start_method)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, start_method in ((STRATEGY_NAME, "popen"), (STRATEGY_NAME + "_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"commpress DDP (spec from "
+                                           f"${SPEC_ENV}), start_method {start_method!r}",
+                                           start_method=start_method)
+
+
+class _CommpressLauncher(_MultiProcessingLauncher):
+    """Sends rank 0's commpress report and stats back to the parent process."""
+
+    def get_extra_results(self, trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        state = getattr(trainer.strategy, "commpress_state", None)
+        if state is not None:
+            buf = io.BytesIO()
+            torch.save({"report": state.report(), "stats": summary(state)}, buf)
+            extra["commpress_bytes"] = buf.getvalue()
+        return extra
+
+    def update_main_process_results(self, trainer, extra: dict[str, Any]) -> None:
+        raw = extra.pop("commpress_bytes", None)
+        super().update_main_process_results(trainer, extra)
+        if raw is not None:
+            trainer.strategy._commpress_spawned = torch.load(io.BytesIO(raw), weights_only=True)
+
+
+CommpressDDPStrategy.register_strategies(StrategyRegistry)
