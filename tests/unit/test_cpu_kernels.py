@@ -409,7 +409,7 @@ def test_hook_flag_from_the_pass_max():
     does a finite bucket whose sum could leave fp32's range; ordinary values do not."""
     import struct
 
-    from comms.hook import _nonfinite_or_overflows as flag
+    from comms.pipeline import _nonfinite_or_overflows as flag
 
     bits = lambda v: struct.unpack("<I", struct.pack("<f", v))[0]  # noqa: E731
     assert flag(0x7F800000, 10) and flag(0x7FC00000, 10)  # inf, NaN
