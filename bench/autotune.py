@@ -174,6 +174,26 @@ class _Capture(logging.Handler):
         if "autotune" in msg or "refined" in msg:
             self.records.append(msg)
 
+    @classmethod
+    def install(cls) -> "_Capture":
+        """A capture of the planner's lock line and trial table, the cost model's refinement
+        and the autotuner's trial steps (what ``--phases`` replays)."""
+        cap = cls()
+        for name, level in (("comms.planner", logging.DEBUG), ("comms.cost_model", logging.INFO),
+                            ("comms.autotune", logging.DEBUG)):
+            lg = logging.getLogger(name)
+            lg.setLevel(level)
+            lg.addHandler(cap)
+        return cap
+
+
+def _print_row(spec: str, rnd: int, cfg, row: dict) -> None:
+    locked = f" (locked {row['algorithm']} after {row.get('tuned')} steps" \
+        f"{'; RETUNED while measured' if row.get('retuned') else ''})" \
+        if cfg.algorithm == "auto" else ""
+    print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms{locked}",
+          flush=True)
+
 
 def rank_main(rank: int, world: int, args):
     import torch
@@ -181,12 +201,7 @@ def rank_main(rank: int, world: int, args):
     specs = [s for s in args.specs.split(";") if s] if ";" in args.specs else args.specs.split(",")
     configs = configs_for(specs, args.torch_hooks, args.floor, args.control)
     ddp_step.set_one_bucket(args)
-    cap = _Capture()
-    for name, level in (("comms.planner", logging.INFO), ("comms.cost_model", logging.INFO),
-                        ("comms.autotune", logging.DEBUG)):  # the trial steps, for --phases replays
-        lg = logging.getLogger(name)
-        lg.setLevel(level)
-        lg.addHandler(cap)
+    cap = _Capture.install()
     numel = sum(p.numel() for p in ddp_step.build_model(args.model, args.width, args.depth).parameters())
     if rank == 0:
         print(f"# autotune bench: model={args.model} params={numel} world={world} batch={args.batch}/rank "
@@ -217,12 +232,7 @@ def rank_main(rank: int, world: int, args):
                     autos.append(row)
                     logs.setdefault(cfg.name, []).extend([f"(round {rnd})"] + cap.records)
                 if rank == 0:
-                    locked = f" (locked {row['algorithm']} after {row.get('tuned')} steps" \
-                        f"{'; RETUNED while measured' if row.get('retuned') else ''})" \
-                        if cfg.algorithm == "auto" else ""
-                    print(f"#   [{hooks.short_label(spec, None)}] round {rnd} {cfg.name}: {row['step_ms']:.1f} ms"
-                          f"{locked}",
-                          flush=True)
+                    _print_row(spec, rnd, cfg, row)
         fixed = [c.name for _, c in group if c.kind == "ours" and c.algorithm != "auto" and not c.name.endswith(COPY)]
         torch_rows = tuple(c.name for _, c in group if c.kind.startswith("torch"))
         copies = tuple(c.name for _, c in group if c.name.endswith(COPY))

@@ -16,23 +16,25 @@ noise, the gain chosen.
 Rules: ``a`` (the first compressed hook, gain from ``--gains``) and, with ``--rules 2`` or 3,
 ``b`` (the second hook, gain ``--other-gain``, default -0.3: a plan 30% slower, as two_phase
 is at 10 Gb/s) and ``c`` (the second hook again, gain ``--third-gain``, default 0: as fast as
-dense). Printed per gain and per set of decision rules (``--variants``, :data:`VARIANTS`: the
-rules of earlier sessions beside today's): the tunings that locked each rule, and the mean
-tuning steps; then the same under independent +-20% uniform noise, where nothing is paired.
+dense). Printed per gain: the tunings that locked each rule, and the mean tuning steps; then
+the same under independent +-20% uniform noise, where nothing is paired.
+
+``--phases`` replays logged tunings instead: every ``autotune phase steps:`` line (the
+autotuner logs the agreed trial steps of each phase at DEBUG; ``bench/autotune.py`` keeps them
+in its report) is run through the rules again, and the decision is printed per tuning.
 
 Example::
 
     python bench/ddp_step.py -n 2 --netsim 10gbit --hooks dense,qsgd4@allgather,sign+ef@allgather \\
-        --interleave 2 --steps 60 --no-floor --no-codec --json bench/results/step_times_10gbit_s17.json
-    python bench/autotune_replay.py bench/results/step_times_10gbit_s17.json
-    # every measured tuning stored in bench/results, under two sets of rules
-    python bench/autotune_replay.py --phases --variants s25,s19 $(grep -l "autotune phase steps" bench/results/*.md)
+        --interleave 2 --steps 60 --no-floor --no-codec --json /tmp/step_times_10gbit.json
+    python bench/autotune_replay.py /tmp/step_times_10gbit.json
+    # every measured tuning in the autotune reports under bench/results
+    python bench/autotune_replay.py --phases $(grep -l "autotune phase steps" bench/results/*.md)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -43,10 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from comms import autotune  # noqa: E402
 from comms.autotune import DENSE, Autotuner  # noqa: E402
 
-__all__ = ["VARIANTS", "load_blocks", "load_phases", "replay", "replay_phase", "main"]
+__all__ = ["load_blocks", "load_phases", "replay", "replay_phase", "main"]
 
 
 def load_blocks(path: str) -> tuple[list[str], list[list[float]]]:
@@ -61,40 +62,6 @@ def load_blocks(path: str) -> tuple[list[str], list[list[float]]]:
     rows = [dense] + [r for r in rows if r is not dense and r["hook"] != "floor"]
     n = min(len(r["times_ms"]) for r in rows)
     return [r["hook"] for r in rows], [[r["times_ms"][k] for r in rows] for k in range(n)]
-
-
-#: the decision rules replayed side by side: name -> the module constants they override.
-#: ``s18``: session 18's rules (the paired test at 4 standard errors of the rule's own spread;
-#: a block's first step never counted); ``count``: every step counted from round 2;
-#: ``count+drop``: and a rule surely not 3% faster than dense dropped; ``s19``: the rules as
-#: they are (also the paired tests at 3 standard errors of at least the pooled spread);
-#: ``own3``: s19 with each rule's own spread; ``unpaired``: s18 without the paired test;
-#: ``s25``: s19 as it stood until session 26, where a load burst after dense retired from the
-#: rounds could undo its rules' wins over dense (every other variant but ``s19`` has that too)
-_OLD = {"RETIRED_DENSE_WINS_STAY": False}
-VARIANTS = {
-    "unpaired": {"PAIRED_T": math.inf, "COUNT_EVERY_STEP_FROM": math.inf, "PAIRED_DROP_T": math.inf,
-                 "PAIRED_POOLED": False, **_OLD},
-    "s18": {"PAIRED_T": 4.0, "COUNT_EVERY_STEP_FROM": math.inf, "PAIRED_DROP_T": math.inf,
-            "PAIRED_POOLED": False, **_OLD},
-    "count": {"PAIRED_T": 4.0, "PAIRED_DROP_T": math.inf, "PAIRED_POOLED": False, **_OLD},
-    "count+drop": {"PAIRED_T": 4.0, "PAIRED_POOLED": False, **_OLD},
-    "s25": dict(_OLD),
-    "s19": {},
-    "own3": {"PAIRED_POOLED": False, **_OLD},
-}
-
-
-@contextlib.contextmanager
-def _variant(name: str):
-    saved = {k: getattr(autotune, k) for k in VARIANTS[name]}
-    for k, v in VARIANTS[name].items():
-        setattr(autotune, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(autotune, k, v)
 
 
 def _tune(step_time, rules: list[str], seed: int) -> tuple[str, int]:
@@ -112,12 +79,11 @@ def _tune(step_time, rules: list[str], seed: int) -> tuple[str, int]:
     raise RuntimeError("the tuner never locked within 200 steps")
 
 
-def replay(blocks: list[list[float]], gains: dict[str, float], tunings: int, variant: str,
+def replay(blocks: list[list[float]], gains: dict[str, float], tunings: int,
            measured: bool = True) -> tuple[Counter, float]:
     """Locks per rule over ``tunings`` seeded tunings, and the mean tuning steps.
 
-    ``gains``: rule -> (hook column in ``blocks``, gain vs dense). ``variant``: a key of
-    :data:`VARIANTS`. ``measured=False``: every step independent, ``1 +- 20%`` uniform times
+    ``gains``: rule -> (hook column in ``blocks``, gain vs dense). ``measured=False``: every step independent, ``1 +- 20%`` uniform times
     ``1 - gain`` (nothing to pair). A round draws a measured block ``k`` at random; the
     ``j``-th step of a rule's block in that round takes the rule's time of block ``k + j``
     (the next block was measured seconds later: a round's steps share its load, not one
@@ -139,12 +105,11 @@ def replay(blocks: list[list[float]], gains: dict[str, float], tunings: int, var
         return blocks[(drawn[rnd] + pos) % len(blocks)][col] * f / 1e3
 
     locks, steps = Counter(), []
-    with _variant(variant):
-        for seed in range(tunings):
-            drawn.clear()
-            decision, n = _tune(step_time, list(gains), seed)
-            locks[decision] += 1
-            steps.append(n)
+    for seed in range(tunings):
+        drawn.clear()
+        decision, n = _tune(step_time, list(gains), seed)
+        locks[decision] += 1
+        steps.append(n)
     return locks, statistics.fmean(steps)
 
 
@@ -162,24 +127,23 @@ def load_phases(path: str) -> list[list[tuple[str, float]]]:
     return out
 
 
-def replay_phase(steps: list[tuple[str, float]], variant: str) -> str:
-    """The decision of one measured tuning under ``variant``'s rules: each rule's measured steps
+def replay_phase(steps: list[tuple[str, float]]) -> str:
+    """The decision of one measured tuning under the autotuner's rules: each rule's measured steps
     are handed out in their order as the replayed tuner asks for that rule. ``"?"`` when the
     replay asks a rule for more steps than were measured (the rules kept it longer)."""
     queues: dict[str, deque] = {}
     for r, v in steps:
         queues.setdefault(r, deque()).append(v)
     rules = [r for r in queues if r != DENSE]
-    with _variant(variant):
-        tuner = Autotuner(steps_per_trial=2, trials=len(rules), candidates=rules)
-        clock = 0.0
-        for step in range(len(steps) + 1):
-            rule = tuner.begin_step(step, clock, lambda: rules, lambda v: v)
-            if tuner.locked:
-                return tuner.decision
-            if not queues[rule]:
-                return "?"
-            clock += queues[rule].popleft()
+    tuner = Autotuner(steps_per_trial=2, trials=len(rules), candidates=rules)
+    clock = 0.0
+    for step in range(len(steps) + 1):
+        rule = tuner.begin_step(step, clock, lambda: rules, lambda v: v)
+        if tuner.locked:
+            return tuner.decision
+        if not queues[rule]:
+            return "?"
+        clock += queues[rule].popleft()
     return "?"
 
 
@@ -192,27 +156,13 @@ def main(argv=None) -> None:
     p.add_argument("--rules", type=int, default=2, choices=(1, 2, 3), help="compressed rules in play")
     p.add_argument("--other-gain", type=float, default=-0.3, help="rule b's gain (-0.3: 30%% slower)")
     p.add_argument("--third-gain", type=float, default=0.0, help="rule c's gain (0: as fast as dense)")
-    p.add_argument("--variants", default="s18,count,count+drop,s25,s19",
-                   help=f"decision rules to replay, comma-separated, of {list(VARIANTS)}")
     p.add_argument("--tunings", type=int, default=400)
     p.add_argument("--phases", action="store_true",
                    help="json are logs or results files with 'autotune phase steps:' lines: replay "
-                        "each measured tuning under every --variants, print the decisions and "
-                        "count the tunings the variants decide differently")
+                        "each measured tuning and print its decision")
     args = p.parse_args(argv)
     if args.phases:
-        variants = args.variants.split(",")
-        total = differ = 0
-        for path in args.json:
-            if len(args.json) > 1:
-                print(f"# {path}")
-            print(f"{'tuning':>6} {'steps':>5} " + " ".join(f"{v:>12}" for v in variants))
-            for k, steps in enumerate(load_phases(path)):
-                got = [replay_phase(steps, v) for v in variants]
-                total += 1
-                differ += len(set(got)) > 1
-                print(f"{k:>6} {len(steps):>5} " + " ".join(f"{g:>12}" for g in got))
-        print(f"# {differ} of {total} tunings decided differently under {', '.join(variants)}")
+        _print_phases(args.json)
         return
     if len(args.json) != 1:
         p.error("one step-times file, or --phases")
@@ -229,15 +179,29 @@ def main(argv=None) -> None:
               f"(spread {statistics.stdev(x) / statistics.fmean(x):.1%} vs {statistics.stdev(d) / statistics.fmean(d):.1%}), "
               f"correlation with dense {statistics.correlation(x, d):.2f}, paired log-ratio spread "
               f"{statistics.stdev(lr):.3f}")
-    print(f"{'noise':>9} {'gain a':>7} {'rules':>12} {'locked a':>9} {'locked b/c':>11} {'dense':>6} {'steps':>6}")
+    print(f"{'noise':>9} {'gain a':>7} {'locked a':>9} {'locked b/c':>11} {'dense':>6} {'steps':>6}")
     for measured in (True, False):
         for gain in (float(g) for g in args.gains.split(",")):
             rules = {"a": (1, gain), "b": (other, args.other_gain), "c": (other, args.third_gain)}
             rules = dict(list(rules.items())[: args.rules])
-            for variant in args.variants.split(","):
-                locks, steps = replay(blocks, rules, args.tunings, variant, measured)
-                print(f"{'measured' if measured else 'uniform':>9} {gain:>7.3f} {variant:>12} "
-                      f"{locks['a']:>9} {locks['b'] + locks['c']:>11} {locks[DENSE]:>6} {steps:>6.1f}")
+            locks, steps = replay(blocks, rules, args.tunings, measured)
+            print(f"{'measured' if measured else 'uniform':>9} {gain:>7.3f} "
+                  f"{locks['a']:>9} {locks['b'] + locks['c']:>11} {locks[DENSE]:>6} {steps:>6.1f}")
+
+
+def _print_phases(paths: list[str]) -> None:
+    """Each logged tuning's decision under the rules, per file, and the totals."""
+    got = Counter()
+    for path in paths:
+        if len(paths) > 1:
+            print(f"# {path}")
+        print(f"{'tuning':>6} {'steps':>5} {'decision':>12}")
+        for k, steps in enumerate(load_phases(path)):
+            decision = replay_phase(steps)
+            got["unfinished" if decision == "?" else "dense" if decision == DENSE else "compressed"] += 1
+            print(f"{k:>6} {len(steps):>5} {decision:>12}")
+    print(f"# {sum(got.values())} tunings: {got['compressed']} locked a compressed rule, "
+          f"{got['dense']} dense, {got['unfinished']} ran past their logged steps (?)")
 
 
 if __name__ == "__main__":

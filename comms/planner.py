@@ -46,7 +46,8 @@ import torch
 from compressors import Compressor
 
 from .algorithms import ALGORITHMS, DENSE, get_algorithm
-from .autotune import MIN_GAIN_S, MODEL, Autotuner, check_step_seconds
+from .autotune import MODEL, Autotuner, check_step_seconds
+from .autotune_rules import MIN_GAIN_S
 from .communicator import Communicator, allreduce_max
 from .cost_model import CostModel, TierCost
 from .errors import where
@@ -183,7 +184,8 @@ class Planner:
         self.tuner.begin_step(step, now, lambda: self._propose(keys), self._agree)
         if self.tuner.locked and not was_locked:
             if self.comm is None or self.comm.rank == 0:
-                logger.info("commpress autotune (step %d):\n%s", step, self.tuner)
+                logger.info("commpress (step %d): %s", step, self.tuner.lock_summary())
+                logger.debug("commpress autotune trial table:\n%s", self.tuner)
             self._logged = False  # log the plan again under the locked rule
 
     def _agree(self, values: list[float]) -> list[float]:

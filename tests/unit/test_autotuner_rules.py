@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from comms import autotune
+from comms import autotune_rules
 from comms.autotune import Autotuner
 
 
@@ -100,11 +100,10 @@ def test_a_decisive_result_locks_from_round_two():
         Autotuner(decisive=1.0)
 
 
-def test_a_burst_after_dense_retired_does_not_undo_the_win(monkeypatch):
-    # measured at 10 Gb/s (bench/results/autotune_10gbit_s26.md, sign, tuning 3): allgather and
-    # two_phase beat dense decisively in rounds 1-2, so dense retired; a load burst in round 4
-    # lifted both above dense's fastest early step, and with no dense steps left to pair with,
-    # neither could win any more: the phase ran to its 40 steps and locked dense, 0.80x the pin
+def test_a_burst_after_dense_retired_does_not_undo_the_win():
+    # as measured at 10 Gb/s (sign): allgather and two_phase beat dense decisively in rounds
+    # 1-2, so dense retired; a load burst in round 4 lifted both above dense's fastest early
+    # step. With no dense steps left to pair with, the win over dense must stay: a is locked
     burst = {3}  # 0-based: the fourth round, before min_rounds could lock
     rng = random.Random(7)
     cost = {"dense": 1.0, "a": 0.72, "b": 0.76}
@@ -115,15 +114,13 @@ def test_a_burst_after_dense_retired_does_not_undo_the_win(monkeypatch):
         slow = 1.45 if rule != "dense" and rnd in burst else 1.0
         return cost[rule] * slow * (1 + rng.uniform(-0.02, 0.02))
 
-    for stay, decision in ((True, "a"), (False, "dense")):  # False: the rules until session 26
-        monkeypatch.setattr(autotune, "RETIRED_DENSE_WINS_STAY", stay)
-        t = Autotuner(steps_per_trial=2, trials=2)
-        rules = drive(t, times, 44)
-        assert rules[:12] == ["dense", "dense", "a", "a", "b", "b"] * 2
-        assert "dense" not in rules[12:t.tuning_steps], rules  # retired after round 2
-        assert t.locked and t.decision == decision, (stay, t.table)
-        # the burst left a's range overlapping b's: both stay in play to the budget
-        assert t.tuning_steps == 40
+    t = Autotuner(steps_per_trial=2, trials=2)
+    rules = drive(t, times, 44)
+    assert rules[:12] == ["dense", "dense", "a", "a", "b", "b"] * 2
+    assert "dense" not in rules[12:t.tuning_steps], rules  # retired after round 2
+    assert t.locked and t.decision == "a", t.table
+    # the burst left a's range overlapping b's: both stay in play to the budget
+    assert t.tuning_steps == 40
 
 
 def test_one_stalled_step_neither_drops_nor_disqualifies_a_faster_plan():
@@ -200,13 +197,13 @@ def test_a_plan_faster_in_every_round_wins_under_load_that_moves_both(monkeypatc
 
     t, rules = tune()
     samples = t._samples
-    assert autotune._faster_pairs(samples["a"], samples["dense"]) < autotune.RANK_WIN
+    assert autotune_rules.faster_pairs(samples["a"], samples["dense"]) < autotune_rules.RANK_WIN
     assert not max(samples["a"]) < min(samples["dense"])
     assert t.locked and t.decision == "a"
-    assert t.tuning_steps == 4 * autotune.PAIRED_MIN_ROUNDS  # min_rounds = 4 = the paired minimum
+    assert t.tuning_steps == 4 * autotune_rules.PAIRED_MIN_ROUNDS  # min_rounds = 4 = the paired minimum
     assert rules[t.tuning_steps:] == ["a"] * (44 - t.tuning_steps)
     # the same timings without the paired test: undecided until the budget, then dense
-    monkeypatch.setattr(autotune, "PAIRED_T", math.inf)
+    monkeypatch.setattr(autotune_rules, "PAIRED_T", math.inf)
     t, _ = tune()
     assert t.decision == "dense" and t.tuning_steps == 40
     # and a paired gain under the 3% margin never wins, however consistent
@@ -228,11 +225,6 @@ def test_round_one_skips_each_rules_first_step_and_later_rounds_count_every_step
     t = Autotuner(steps_per_trial=2, trials=1)
     drive(t, lambda r, s: 0.95 if s == 6 else cost[r], 40)
     assert t._samples["a"][:3] == pytest.approx([0.9, 0.95, 0.9])
-    with pytest.MonkeyPatch.context() as mp:  # the old rule, for contrast: 4 samples in 4 rounds
-        mp.setattr(autotune, "COUNT_EVERY_STEP_FROM", math.inf)
-        t = Autotuner(steps_per_trial=2, trials=1)
-        drive(t, lambda r, s: cost[r], 40)
-        assert len(t._samples["a"]) == 4
 
 
 def test_no_step_of_the_warm_up_ramp_is_counted():
@@ -271,17 +263,16 @@ def test_a_rule_that_surely_cannot_win_is_dropped_and_no_longer_holds_the_phase_
     assert rules[:24] == ["dense", "dense", "a", "a", "b", "b"] * 4
     assert t.decision == "a" and t.tuning_steps == 24 and rules[24:] == ["a"] * 20
     assert t._paired_loses("b") and not t._paired_loses("a")
-    monkeypatch.setattr(autotune, "PAIRED_DROP_T", math.inf)
+    monkeypatch.setattr(autotune_rules, "PAIRED_DROP_T", math.inf)
     t = Autotuner(steps_per_trial=2, trials=2)
     rules = drive(t, times, 44)
     assert rules[:36] == ["dense", "dense", "a", "a", "b", "b"] * 6 and t.tuning_steps == 36
 
 
-def test_the_paired_test_takes_at_least_the_spread_pooled_over_the_rules(monkeypatch):
+def test_the_paired_test_takes_at_least_the_spread_pooled_over_the_rules():
     # a's rounds happen to agree closely (-4.7% / -5.5% vs dense) while b, on the same
     # machine, moves by +-25% from round to round: a's own spread, from a few rounds, is
-    # likely too small; with the pooled spread a 5% gain is not clear in 36 steps (dense),
-    # with a's own it wins
+    # likely too small; with the pooled spread a 5% gain is not clear in 36 steps (dense)
     def times(rule, step):
         k = step // 6
         f = {"dense": 1.0, "a": 0.95 * (1 + 0.004 * (-1) ** k), "b": 0.8 if k % 2 else 1.25}[rule]
@@ -292,10 +283,6 @@ def test_the_paired_test_takes_at_least_the_spread_pooled_over_the_rules(monkeyp
     assert t.decision == "dense"
     x = t._paired_log_ratios("a")
     assert t._paired_sd(x) > 5 * statistics.stdev(x)
-    monkeypatch.setattr(autotune, "PAIRED_POOLED", False)
-    t = Autotuner(steps_per_trial=2, trials=2)
-    drive(t, times, 44)
-    assert t.decision == "a"
 
 
 def test_a_dropped_rule_leaves_the_pooled_spread():
@@ -313,7 +300,7 @@ def test_a_dropped_rule_leaves_the_pooled_spread():
     rules = drive(t, times, 44)
     assert rules[:20] == ["dense", "dense", "a", "a", "b", "b"] * 2 + ["dense", "dense", "a", "a"] * 2
     assert t.decision == "a" and t.tuning_steps == 20
-    assert autotune._faster_pairs(t._samples["a"], t._samples["dense"]) < autotune.RANK_WIN
+    assert autotune_rules.faster_pairs(t._samples["a"], t._samples["dense"]) < autotune_rules.RANK_WIN
 
 
 def test_near_tied_winners_lock_the_preferred_rule_in_nearly_every_tuning():
@@ -365,6 +352,26 @@ def test_watchdog_keeps_a_lock_that_still_wins():
     checks = [i for i in range(1, 60) if rules[i] == "dense" and rules[i - 1] == "a"]
     assert checks, "the watchdog re-timed dense"  # and went back to the lock after each check
     assert all(rules[i + 2] == "a" for i in checks if i + 2 < 60)
+
+
+def test_lock_summary_says_what_was_locked_why_and_its_cost_in_one_line():
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: 1.0 if r == "dense" else 0.5, 20)
+    # a beats dense in every step by far more than 10%: locked after round 2 (8 steps), the
+    # 4 steps it did not run cost 4 x 0.5 s beyond it
+    assert t.lock_summary() == (
+        "autotune locked 'a' (2.00x dense's median step; every step faster than every dense "
+        "step, beyond 3 standard errors; decisive by 10%, locked in round 2); tuning took "
+        "8 steps, 2000 ms beyond the locked plan")
+    t = Autotuner(steps_per_trial=2, trials=1)
+    drive(t, lambda r, s: 1.0 if r == "dense" else 0.99, 20)
+    assert t.decision == "dense" and t.lock_summary() == (
+        "autotune locked 'dense' (1.00x dense's median step; no compressed rule beat dense's "
+        "median by 3% and 1 ms with confidence; every rule decided); tuning took 16 steps, "
+        "0 ms beyond the locked plan")
+    t2 = Autotuner()
+    t2.load_state_dict(t.state_dict())
+    assert "restored from a checkpoint" in t2.lock_summary()
 
 
 def test_state_dict_round_trip_and_options():
