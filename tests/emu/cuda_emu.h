@@ -1,18 +1,30 @@
-// cuda_emu.h -- a CUDA execution emulator for the csrc/ kernels: compile a .cu file UNMODIFIED as
-// host C++20 (g++ -x c++ -std=c++20 -ffp-contract=off -include cuda_emu.h) and launch its
-// kernels on the CPU (cuda_emu_runtime.cpp; Python launcher: tests/emu/emu.py).
+// cuda_emu.h -- a CUDA execution emulator for the csrc/ kernels: compile the .cu files as host
+// C++20 (g++ -x c++ -std=c++20 -ffp-contract=off -include cuda_emu.h, after cuda_emu.py's
+// rewrite of the `__shared__` declarations and the inline PTX) and launch their kernels on the
+// CPU (cuda_emu_runtime.cpp; Python launcher: tests/emu/cuda_emu.py).
 //
 // Execution model (see csrc/README.md, "CPU emulator", for what it cannot see):
-//   * every CUDA thread of a block is its own fiber (own stack, own registers); the fibers of a
-//     block run on one OS thread and switch only at synchronisation points: __syncthreads, the
-//     warp *_sync intrinsics, atomics (in shuffle mode) and thread exit. Blocks run one after
-//     another on each worker thread, in any order (a seed shuffles block order and the fiber
-//     order of every scheduling round);
-//   * __shared__ is `thread_local`: a block runs on one worker thread from start to end, so a
-//     thread_local is per-block memory for the block's lifetime (static and function-local
-//     __shared__ alike). `extern __shared__ T name[]` declares a thread_local array that the
-//     build defines (EMU_DYNAMIC_SHARED_BYTES) and the runtime fills with garbage (0xFF bytes,
-//     random bytes in shuffle mode) before each block: CUDA shared memory is uninitialised;
+//   * every CUDA thread of a block is its own fiber (own stack, own registers); the fibers of
+//     `resident` blocks at once run on one OS thread. They switch at synchronisation points
+//     (__syncthreads, the warp *_sync intrinsics, atomics, thread exit) and, with an
+//     `interleave` probability p > 0, at any load or store of shared or global memory: the
+//     kernel translation unit is compiled with -fsanitize=thread, whose per-access callbacks
+//     (__tsan_read4, __tsan_write16, ...) the runtime implements itself, so a seeded schedule
+//     can run another thread -- of this block or of another resident block -- between a
+//     thread's read and its write (a lost update, a cross-block race). A seed shuffles block
+//     order and the fiber order of every scheduling round;
+//   * every load and store of shared or global memory is checked for natural alignment (a
+//     misaligned access is an error on a GPU; x86 would allow it); the vector types (uint4,
+//     float4, ...) check their 8/16-byte alignment in their copy operations, because the host
+//     compiler splits aggregate copies into 4-byte accesses;
+//   * `__shared__` memory is per block: static declarations become slots of a per-block arena
+//     (offsets fixed when the library loads), `extern __shared__` arrays its dynamic part. Both
+//     are filled with garbage before each block (0xFF bytes -- NaN as floats -- or random bytes
+//     with a seed); in an AddressSanitizer build everything outside the declared slots and the
+//     launch's dynamic bytes is poisoned;
+//   * __CUDA_ARCH__ is defined (the device branches are the ones compiled) and inline PTX
+//     `asm("cvt...." : "=h"(out) : "f"(in))` is rewritten to ::emu::ptx_asm, which emulates
+//     the cvt instructions the kernels use with the rounding their modifiers name;
 //   * warp intrinsics exchange values through per-warp slots with a barrier over the lanes of
 //     the mask; a lane that is in the mask but does not arrive (exited, or waiting elsewhere)
 //     is reported as a deadlock instead of hanging; concurrent different masks in one warp
@@ -21,11 +33,12 @@
 //     nearest even, no contraction), conversions round to nearest even; float atomicAdd on
 //     global memory is emulated with flush-to-zero of inputs and result, as the hardware does
 //     (PTX atom.global.add.f32);
-//   * threadIdx / blockIdx / blockDim / gridDim read the running fiber's and block's state.
+//   * threadIdx / blockIdx / blockDim / gridDim read the running fiber's own copy of its state.
 #ifndef COMMPRESS_CUDA_EMU_H
 #define COMMPRESS_CUDA_EMU_H
 
 #include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -43,8 +56,10 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
-#define __shared__ thread_local
 #define __constant__ const
+#define __align__(n) alignas(n)
+// __shared__ is not defined: cuda_emu.py rewrites every declaration (EMU_STATIC_SHARED,
+// EMU_DYNAMIC_SHARED below), so one it could not parse fails the build
 
 struct uint3 { unsigned x, y, z; };
 struct dim3 {
@@ -78,9 +93,11 @@ struct BlockCtx {
 #endif
 struct FiberHead {
     ThreadCtx ctx;
-    const BlockCtx* block;
+    BlockCtx blk;                 // a copy: reading blockIdx touches no shared state
     void* worker;
     void* fiber;
+    unsigned char* shared;        // the block's static __shared__ slots
+    unsigned char* dyn_shared;    // the block's dynamic shared memory (extern __shared__)
 };
 __attribute__((always_inline)) inline FiberHead* self() {
     uintptr_t sp = (uintptr_t)__builtin_frame_address(0);
@@ -93,8 +110,17 @@ void syncthreads();
 // lane's next warp operation.
 const uint64_t* warp_exchange(unsigned mask, int op, uint64_t mine);
 void warp_done_reading();             // the lane has read the slots of its last warp_exchange
-void atomic_point();                  // a scheduling point before an atomic (shuffle mode)
+void atomic_point(const void* p, unsigned size);  // alignment check; a scheduling point (seeded)
+uint64_t atomic_load_bits(const void* p, unsigned size);
+bool atomic_cas_bits(void* p, unsigned size, uint64_t* expected, uint64_t desired);
+void fence();
+void check_align(const void* p, unsigned size, const char* what);  // fails the thread if misaligned
 [[noreturn]] void fail(const char* what);
+// registers a static __shared__ declaration at library load: its offset in the block's arena
+unsigned long long register_static_shared(unsigned long long size, unsigned long long align);
+// PTX emulation of `asm("<text>" : "=c"(out) : "c"(in))` (cvt between f32 and f16)
+uint64_t ptx_bits(const char* text, uint64_t in, unsigned in_size, unsigned out_size);
+template <class Out, class In> inline Out ptx_asm(const char* text, In in);
 
 template <class T> inline uint64_t to_bits(T v) {
     static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "warp value of <= 8 bytes");
@@ -123,9 +149,9 @@ inline float ftz(float v) {
 }  // namespace emu
 
 #define threadIdx (::emu::self()->ctx.tid)
-#define blockIdx (::emu::self()->block->bid)
-#define blockDim (::emu::self()->block->bdim)
-#define gridDim (::emu::self()->block->gdim)
+#define blockIdx (::emu::self()->blk.bid)
+#define blockDim (::emu::self()->blk.bdim)
+#define gridDim (::emu::self()->blk.gdim)
 #define warpSize 32
 
 // -- synchronisation ----------------------------------------------------------------------------
@@ -134,8 +160,8 @@ inline void __syncwarp(unsigned mask = 0xffffffffU) {
     emu::warp_exchange(mask, emu::OP_SYNCWARP, 0);
     emu::warp_done_reading();
 }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { emu::fence(); }
+inline void __threadfence_block() { emu::fence(); }
 
 template <class T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     unsigned lane = emu::self()->ctx.lane;
@@ -217,14 +243,16 @@ inline float __int_as_float(int v) { return emu::from_bits<float>(emu::to_bits(v
 // fabsf/floorf/fminf/fmaxf come from <cmath> (C semantics: fminf/fmaxf return the non-NaN operand,
 // like CUDA's)
 
-// -- atomics (std::atomic_ref: blocks may run on several worker threads) ------------------------
-#define EMU_ATOMIC_RMW(name, T, expr)                                   \
-    inline T name(T* p, T v) {                                          \
-        emu::atomic_point();                                            \
-        std::atomic_ref<T> a(*p);                                       \
-        T old = a.load();                                               \
-        while (!a.compare_exchange_weak(old, (T)(expr))) {}             \
-        return old;                                                     \
+// -- atomics: out of line in the runtime (not instrumented), a scheduling point each -----------
+#define EMU_ATOMIC_RMW(name, T, expr)                                                  \
+    inline T name(T* p, T v) {                                                         \
+        emu::atomic_point(p, sizeof(T));                                               \
+        uint64_t bits = emu::atomic_load_bits(p, sizeof(T));                           \
+        for (;;) {                                                                     \
+            T old = emu::from_bits<T>(bits);                                           \
+            if (emu::atomic_cas_bits(p, sizeof(T), &bits, emu::to_bits((T)(expr))))   \
+                return old;                                                            \
+        }                                                                              \
     }
 EMU_ATOMIC_RMW(atomicAdd, int, old + v)
 EMU_ATOMIC_RMW(atomicAdd, unsigned, old + v)
@@ -247,11 +275,45 @@ EMU_ATOMIC_RMW(atomicXor, unsigned, old ^ v)
 #undef EMU_ATOMIC_RMW
 template <class T> inline T atomicCAS(T* p, T compare, T val) {
     static_assert(std::is_integral_v<T>, "atomicCAS on integers");
-    emu::atomic_point();
-    std::atomic_ref<T> a(*p);
-    T old = compare;
-    a.compare_exchange_strong(old, val);
-    return old;
+    emu::atomic_point(p, sizeof(T));
+    uint64_t bits = emu::to_bits(compare);
+    emu::atomic_cas_bits(p, sizeof(T), &bits, emu::to_bits(val));
+    return emu::from_bits<T>(bits);
+}
+
+// -- vector types: CUDA's alignment, checked on every copy (the host compiler splits a 16-byte
+// aggregate copy into 4-byte accesses, which the per-access check alone would pass) ----------
+#define EMU_VEC(name, T, A, ...)                                                                 \
+    struct alignas(A) name {                                                                     \
+        T __VA_ARGS__;                                                                           \
+        name() = default;                                                                        \
+        name(const name& o) { emu::check_align(&o, A, "vector load"); std::memcpy((void*)this, (const void*)&o, sizeof(name)); } \
+        name& operator=(const name& o) {                                                         \
+            emu::check_align(this, A, "vector store");                                           \
+            emu::check_align(&o, A, "vector load");                                              \
+            std::memcpy((void*)this, (const void*)&o, sizeof(name));                             \
+            return *this;                                                                        \
+        }                                                                                        \
+    };
+EMU_VEC(uint2, unsigned, 8, x, y)
+EMU_VEC(uint4, unsigned, 16, x, y, z, w)
+EMU_VEC(int2, int, 8, x, y)
+EMU_VEC(int4, int, 16, x, y, z, w)
+EMU_VEC(float2, float, 8, x, y)
+EMU_VEC(float4, float, 16, x, y, z, w)
+EMU_VEC(ushort2, unsigned short, 4, x, y)
+EMU_VEC(ushort4, unsigned short, 8, x, y, z, w)
+EMU_VEC(char4, signed char, 4, x, y, z, w)
+EMU_VEC(uchar4, unsigned char, 4, x, y, z, w)
+#undef EMU_VEC
+inline uint2 make_uint2(unsigned x, unsigned y) { uint2 r; r.x = x; r.y = y; return r; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { uint4 r; r.x = x; r.y = y; r.z = z; r.w = w; return r; }
+inline int4 make_int4(int x, int y, int z, int w) { int4 r; r.x = x; r.y = y; r.z = z; r.w = w; return r; }
+inline float4 make_float4(float x, float y, float z, float w) { float4 r; r.x = x; r.y = y; r.z = z; r.w = w; return r; }
+inline float2 make_float2(float x, float y) { float2 r; r.x = x; r.y = y; return r; }
+
+template <class Out, class In> inline Out emu::ptx_asm(const char* text, In in) {
+    return emu::from_bits<Out>(emu::ptx_bits(text, emu::to_bits(in), sizeof(In), sizeof(Out)));
 }
 
 // -- launch glue (used by the generated exports; see emu.py) ------------------------------------
@@ -263,14 +325,13 @@ struct LaunchCfg {
     unsigned long long shared_bytes;   // dynamic shared memory requested by the launch
     unsigned long long seed;           // 0: in-order schedule; else shuffled with this seed
     int workers;                       // OS threads running blocks (>= 1)
+    int resident;                      // blocks interleaved on one worker (>= 1)
+    double interleave;                 // probability of a scheduling point at each memory access
 };
 
 using Thunk = void (*)(void* args);
 // Runs thunk(args) as every thread of every block; 0 on success, else writes err.
 int run_grid(const LaunchCfg* cfg, Thunk thunk, void* args, char* err, int errlen);
-// Registers a dynamic shared memory array (extern __shared__): its per-thread address getter.
-int register_dynamic_shared(void* (*addr)(), unsigned long long bytes);
-
 template <class T> constexpr char kind_of() {
     if constexpr (std::is_pointer_v<T>) return 'p';
     else if constexpr (std::is_floating_point_v<T>) return 'f';
@@ -311,13 +372,13 @@ template <class... A> int launch_argv(void (*k)(A...), const LaunchCfg* cfg, voi
     }                                                                                              \
     extern "C" const char* emu_sig_##k() { return decltype(emu::sig_of(&k))::get(); }
 
-// Definition of an `extern __shared__ T name[]` array, registered for garbage-filling per block.
-#ifndef EMU_DYNAMIC_SHARED_BYTES
-#define EMU_DYNAMIC_SHARED_BYTES (48 * 1024)
-#endif
+// The rewritten __shared__ declarations (cuda_emu.py): a static one is a reference into the
+// running block's arena at the offset registered for it (emu_shared_off_<id>, defined at the end
+// of the translation unit); a dynamic one points at the block's dynamic part.
+#define EMU_STATIC_SHARED(T, name, dims, id)                                                      \
+    typedef T emu_shared_t_##id dims;                                                            \
+    emu_shared_t_##id& name = *reinterpret_cast<emu_shared_t_##id*>(::emu::self()->shared + ::emu::emu_shared_off_##id)
 #define EMU_DYNAMIC_SHARED(T, name)                                                               \
-    alignas(16) thread_local T name[EMU_DYNAMIC_SHARED_BYTES / sizeof(T)];                       \
-    static int emu_reg_##name = emu::register_dynamic_shared(                                     \
-        []() -> void* { return (void*)name; }, EMU_DYNAMIC_SHARED_BYTES);
+    T* const name = reinterpret_cast<T*>(::emu::self()->dyn_shared)
 
 #endif  // COMMPRESS_CUDA_EMU_H

@@ -1,11 +1,14 @@
 // cuda_emu_runtime.cpp -- scheduler of the CUDA emulator (cuda_emu.h): fibers, barriers, warp
-// exchange, block order, error reporting. Built once per source hash by tests/emu/emu.py.
+// exchange, block order, shared memory arenas, the per-access callbacks of the instrumented
+// kernels, error reporting. Built once per source hash by tests/emu/cuda_emu.py; this file is
+// NOT compiled with -fsanitize=thread (its own accesses are not scheduling points).
 //
-// One block at a time per worker OS thread: its blockDim threads are fibers that switch only
-// at synchronisation points (a fiber runs until it waits, then the scheduler resumes the next
-// one). A scheduling round resumes every unfinished fiber once, in index order or, with a seed,
-// in a fresh random order each round; a round in which no fiber makes progress is a deadlock
-// and fails the launch with a description instead of hanging.
+// Each worker OS thread runs `resident` blocks at a time; their blockDim threads are fibers
+// that switch at synchronisation points and, with `interleave` > 0, at memory accesses of the
+// kernels (a fiber runs until it waits or yields, then the scheduler resumes the next one). A
+// scheduling round resumes every unfinished fiber once, in index order or, with a seed, in a
+// fresh random order each round; a round in which no fiber makes progress is a deadlock and
+// fails the launch with a description instead of hanging.
 #include "cuda_emu.h"
 
 #include <algorithm>
@@ -17,6 +20,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <cinttypes>
 #include <vector>
 
 #include <sys/mman.h>
@@ -80,6 +84,10 @@ namespace {
 
 constexpr size_t kStack = EMU_STACK_BYTES;  // [FiberHead page][guard page][stack ... top]
 constexpr size_t kLow = 8192;
+constexpr size_t kRedzone = 64;             // bytes between shared slots (poisoned under ASan)
+constexpr size_t kDynMax = 48 * 1024;       // dynamic shared memory a launch gets without opt-in
+
+thread_local bool t_in_fiber = false;       // a fiber of this OS thread is running
 
 struct Fiber {
     void* sp = nullptr;               // saved stack pointer while suspended
@@ -88,6 +96,7 @@ struct Fiber {
 #endif
     char* stack = nullptr;            // kStack-aligned mapping, FiberHead at its start
     FiberHead* head = nullptr;
+    unsigned slot = 0;                // its block's slot in the worker
     bool done = false;
     bool blocked = false;             // waits in a barrier: not resumed until released
     const char* waiting = nullptr;    // what it waits for (deadlock report)
@@ -107,18 +116,41 @@ struct WarpState {
     std::vector<Fiber*> waiters;
 };
 
-struct DynShared {
-    void* (*addr)();
-    unsigned long long bytes;
+// static __shared__ declarations: [offset, offset + size) of the block arena each
+struct StaticSlot {
+    size_t off, size;
 };
-
-std::vector<DynShared>& dyn_shared() {
-    static std::vector<DynShared> v;
+std::mutex& registry_mutex() {
+    static std::mutex m;
+    return m;
+}
+std::vector<StaticSlot>& static_slots() {
+    static std::vector<StaticSlot> v;
     return v;
 }
+size_t& static_end() {
+    static size_t e = kRedzone;
+    return e;
+}
+size_t dyn_offset() { return (static_end() + kRedzone + 127) & ~(size_t)127; }
+
+// one resident block: its barrier, warps and shared memory
+struct BlockSlot {
+    BlockCtx ctx{};
+    unsigned nthreads = 0, live = 0;
+    unsigned bar_arrived = 0;
+    uint64_t bar_gen = 0;
+    std::vector<Fiber*> bar_waiters;
+    std::vector<WarpState> warps;
+    unsigned char* arena = nullptr;
+    size_t arena_bytes = 0;
+    ~BlockSlot() { std::free(arena); }
+};
 
 struct Worker {
     std::vector<Fiber> fibers;
+    std::vector<std::unique_ptr<BlockSlot>> slots;
+    unsigned nslots = 0;
     void* sched_sp = nullptr;
 #if !defined(__x86_64__)
     ucontext_t sched_uc;
@@ -126,19 +158,22 @@ struct Worker {
     const void* sched_bottom = nullptr;
     size_t sched_size = 0;
     Fiber* running = nullptr;
-    unsigned nthreads = 0, live = 0;
-    unsigned bar_arrived = 0;
-    uint64_t bar_gen = 0;
-    std::vector<Fiber*> bar_waiters;
-    std::vector<WarpState> warps;
+    unsigned live = 0;
     uint64_t progress = 0;
     bool shuffle = false;
     std::mt19937_64 rng;
+    uint64_t xs = 1;                  // xorshift state of the interleaving decisions
+    uint64_t interleave_thr = 0;      // yield at an access when the next draw is below it
     Thunk thunk = nullptr;
     void* args = nullptr;
     std::string error;
-    BlockCtx block{};
 
+    uint64_t draw() {
+        xs ^= xs >> 12;
+        xs ^= xs << 25;
+        xs ^= xs >> 27;
+        return xs * 0x2545F4914F6CDD1DULL;
+    }
     ~Worker() {
         for (auto& f : fibers)
             if (f.stack) munmap(f.stack, kStack);
@@ -149,8 +184,10 @@ struct Worker {
 
 inline Worker* cur_worker() { return static_cast<Worker*>(self()->worker); }
 inline Fiber* cur_fiber() { return static_cast<Fiber*>(self()->fiber); }
+inline BlockSlot& slot_of(Worker& w, const Fiber* f) { return *w.slots[f->slot]; }
 
 void switch_to_scheduler(Worker* W, Fiber* f) {
+    t_in_fiber = false;
 #if EMU_ASAN
     __sanitizer_start_switch_fiber(f->done ? nullptr : &f->fake_stack, W->sched_bottom, W->sched_size);
 #endif
@@ -162,6 +199,7 @@ void switch_to_scheduler(Worker* W, Fiber* f) {
 #if EMU_ASAN
     __sanitizer_finish_switch_fiber(f->fake_stack, nullptr, nullptr);
 #endif
+    t_in_fiber = true;
 }
 
 void yield(const char* why) {
@@ -171,11 +209,12 @@ void yield(const char* why) {
     f->waiting = nullptr;
 }
 
-std::string where(const Worker& w, const Fiber* f) {
+std::string where(const Fiber* f) {
     char buf[160];
     const ThreadCtx& c = f->head->ctx;
-    std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", w.block.bid.x, w.block.bid.y,
-                  w.block.bid.z, c.tid.x, c.tid.y, c.tid.z);
+    const BlockCtx& b = f->head->blk;
+    std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", b.bid.x, b.bid.y, b.bid.z,
+                  c.tid.x, c.tid.y, c.tid.z);
     return buf;
 }
 
@@ -193,20 +232,22 @@ void release(std::vector<Fiber*>& q) {
 
 void fiber_exit(Fiber* f) {
     Worker& w = *cur_worker();
+    BlockSlot& b = slot_of(w, f);
     f->done = true;
+    b.live--;
     w.live--;
     w.progress++;
     const ThreadCtx& c = f->head->ctx;
-    WarpState& ws = w.warps[c.warp];
+    WarpState& ws = b.warps[c.warp];
     ws.live_lanes &= ~(1U << c.lane);
     if (ws.arrived && ((ws.mask >> c.lane) & 1U) && !((ws.arrived_lanes >> c.lane) & 1U) &&
         w.error.empty())
-        w.error = where(w, f) + " exited while lanes of its warp wait for it in a *_sync with mask " +
+        w.error = where(f) + " exited while lanes of its warp wait for it in a *_sync with mask " +
                   std::to_string(ws.mask) + " (undefined behaviour on a GPU)";
-    if (w.bar_arrived && w.bar_arrived == w.live) {  // exited threads no longer hold a barrier
-        w.bar_arrived = 0;
-        w.bar_gen++;
-        release(w.bar_waiters);
+    if (b.bar_arrived && b.bar_arrived == b.live) {  // exited threads no longer hold a barrier
+        b.bar_arrived = 0;
+        b.bar_gen++;
+        release(b.bar_waiters);
     }
 }
 
@@ -215,8 +256,9 @@ void fiber_exit(Fiber* f) {
 [[noreturn]] void fail(const char* what) {
     Worker* W = cur_worker();
     Fiber* f = cur_fiber();
-    if (W->error.empty()) W->error = where(*W, f) + ": " + what;
+    if (W->error.empty()) W->error = where(f) + ": " + what;
     f->done = true;  // never resumed
+    slot_of(*W, f).live--;
     W->live--;
     switch_to_scheduler(W, f);
     std::abort();
@@ -231,6 +273,7 @@ extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(void* p) {
 #if EMU_ASAN
     __sanitizer_finish_switch_fiber(nullptr, &W->sched_bottom, &W->sched_size);
 #endif
+    t_in_fiber = true;
     W->thunk(W->args);
     fiber_exit(f);
     switch_to_scheduler(W, f);
@@ -261,7 +304,6 @@ void init_fiber(Worker& w, Fiber& f) {
 #if EMU_ASAN
     __asan_unpoison_memory_region(f.stack + kLow, kStack - kLow);
 #endif
-    f.head->block = &w.block;
     f.head->worker = &w;
     f.head->fiber = &f;
     f.done = false;
@@ -293,11 +335,13 @@ void resume(Worker& w, Fiber& f) {
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, f.stack + kLow, kStack - kLow);
 #endif
+    t_in_fiber = true;
 #if defined(__x86_64__)
     emu_switch(&w.sched_sp, f.sp);
 #else
     swapcontext(&w.sched_uc, &f.uc);
 #endif
+    t_in_fiber = false;
 #if EMU_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -305,54 +349,85 @@ void resume(Worker& w, Fiber& f) {
 }
 
 std::string deadlock_report(Worker& w) {
-    std::string s = "deadlock in block (" + std::to_string(w.block.bid.x) + "," + std::to_string(w.block.bid.y) +
-                    "," + std::to_string(w.block.bid.z) + "): ";
+    std::string s = "deadlock: ";
     int shown = 0;
     for (auto& f : w.fibers) {
         if (f.done || shown >= 4) continue;
-        s += "thread " + std::to_string(f.head->ctx.lin) + " waits in " + (f.waiting ? f.waiting : "?") + "; ";
+        s += where(&f) + " waits in " + (f.waiting ? f.waiting : "?") + "; ";
         shown++;
     }
-    s += std::to_string(w.live) + " threads unfinished, " + std::to_string(w.nthreads - w.live) + " exited";
+    s += std::to_string(w.live) + " threads unfinished";
     return s;
 }
 
-// Runs one block to completion; false (w.error set) on a failure.
-bool run_block(Worker& w, uint3 bid, const LaunchCfg& cfg) {
-    w.block.bid = bid;
+void fill_garbage(Worker& w, unsigned char* p, size_t n) {
+    if (!w.shuffle) {
+        std::memset(p, 0xFF, n);  // NaN as floats, -1 as integers
+        return;
+    }
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t r = w.rng();
+        std::memcpy(p + i, &r, std::min<size_t>(8, n - i));
+    }
+}
+
+// The block's shared memory before it starts: garbage in every declared byte; under ASan
+// everything else (redzones, dynamic bytes past the launch's request) poisoned.
+void prepare_arena(Worker& w, BlockSlot& b, const LaunchCfg& cfg) {
+    const size_t dyn = dyn_offset(), need = dyn + kDynMax + kRedzone;
+    if (b.arena_bytes < need) {
+        std::free(b.arena);
+        b.arena_bytes = (need + 127) & ~(size_t)127;
+        b.arena = static_cast<unsigned char*>(std::aligned_alloc(128, b.arena_bytes));
+        if (!b.arena) std::abort();
+    }
+#if EMU_ASAN
+    __asan_unpoison_memory_region(b.arena, b.arena_bytes);
+#endif
+    for (const StaticSlot& s : static_slots()) fill_garbage(w, b.arena + s.off, s.size);
+    fill_garbage(w, b.arena + dyn, cfg.shared_bytes);
+#if EMU_ASAN
+    __asan_poison_memory_region(b.arena, b.arena_bytes);
+    for (const StaticSlot& s : static_slots()) __asan_unpoison_memory_region(b.arena + s.off, s.size);
+    __asan_unpoison_memory_region(b.arena + dyn, cfg.shared_bytes);
+#endif
+}
+
+// Runs `count` blocks together to completion; false (w.error set) on a failure.
+bool run_blocks(Worker& w, const uint3* bids, unsigned count, const LaunchCfg& cfg) {
     const unsigned n = cfg.block[0] * cfg.block[1] * cfg.block[2];
-    w.nthreads = w.live = n;
-    w.bar_arrived = 0;
-    w.bar_waiters.clear();
-    w.warps.assign((n + 31) / 32, WarpState{});
-    for (unsigned i = 0; i < n; ++i) w.warps[i / 32].live_lanes |= 1U << (i % 32);
-    if (w.fibers.size() < n) w.fibers.resize(n);
-    for (unsigned i = 0; i < n; ++i) {
-        Fiber& f = w.fibers[i];
-        init_fiber(w, f);
-        ThreadCtx& c = f.head->ctx;
-        c.lin = i;
-        c.lane = i % 32;
-        c.warp = i / 32;
-        c.tid = uint3{i % cfg.block[0], (i / cfg.block[0]) % cfg.block[1], i / (cfg.block[0] * cfg.block[1])};
-    }
-    // CUDA shared memory is uninitialised: garbage in the dynamic buffers (NaN as floats)
-    for (auto& d : dyn_shared()) {
-        auto* p = static_cast<unsigned char*>(d.addr());
-#if EMU_ASAN
-        __asan_unpoison_memory_region(p, d.bytes);
-#endif
-        if (w.shuffle) {
-            for (unsigned long long i = 0; i < d.bytes; ++i) p[i] = (unsigned char)w.rng();
-        } else {
-            std::memset(p, 0xFF, d.bytes);
+    const unsigned total = n * count;
+    while (w.slots.size() < count) w.slots.push_back(std::make_unique<BlockSlot>());
+    if (w.fibers.size() < total) w.fibers.resize(total);
+    w.nslots = count;
+    w.live = total;
+    for (unsigned s = 0; s < count; ++s) {
+        BlockSlot& b = *w.slots[s];
+        b.ctx.bid = bids[s];
+        b.ctx.bdim = uint3{cfg.block[0], cfg.block[1], cfg.block[2]};
+        b.ctx.gdim = uint3{cfg.grid[0], cfg.grid[1], cfg.grid[2]};
+        b.nthreads = b.live = n;
+        b.bar_arrived = 0;
+        b.bar_waiters.clear();
+        b.warps.assign((n + 31) / 32, WarpState{});
+        for (unsigned i = 0; i < n; ++i) b.warps[i / 32].live_lanes |= 1U << (i % 32);
+        prepare_arena(w, b, cfg);
+        for (unsigned i = 0; i < n; ++i) {
+            Fiber& f = w.fibers[s * n + i];
+            init_fiber(w, f);
+            f.slot = s;
+            FiberHead& h = *f.head;
+            h.blk = b.ctx;
+            h.shared = b.arena;
+            h.dyn_shared = b.arena + dyn_offset();
+            ThreadCtx& c = h.ctx;
+            c.lin = i;
+            c.lane = i % 32;
+            c.warp = i / 32;
+            c.tid = uint3{i % cfg.block[0], (i / cfg.block[0]) % cfg.block[1], i / (cfg.block[0] * cfg.block[1])};
         }
-#if EMU_ASAN
-        if (cfg.shared_bytes < d.bytes)  // past the launch's request: out of bounds
-            __asan_poison_memory_region(p + cfg.shared_bytes, d.bytes - cfg.shared_bytes);
-#endif
     }
-    std::vector<unsigned> order(n);
+    std::vector<unsigned> order(total);
     std::iota(order.begin(), order.end(), 0U);
     while (w.live > 0) {
         if (w.shuffle) std::shuffle(order.begin(), order.end(), w.rng);
@@ -371,36 +446,57 @@ bool run_block(Worker& w, uint3 bid, const LaunchCfg& cfg) {
     return true;
 }
 
+// Every instrumented load and store of the kernels: alignment, then maybe a scheduling point.
+inline void on_access(const void* p, unsigned size, bool aligned, bool write) {
+    if (!t_in_fiber) return;  // launch glue on the calling thread, static initialisers
+    FiberHead* h = self();
+    const uintptr_t a = (uintptr_t)p;
+    if (a - (uintptr_t)h < kStack) return;  // the thread's own stack: its registers / local memory
+    if (aligned && (a & (size - 1))) {
+        char buf[128];
+        std::snprintf(buf, sizeof buf, "misaligned %u-byte %s at %p (CUDA needs natural alignment)", size,
+                      write ? "store" : "load", p);
+        fail(buf);
+    }
+    Worker* w = static_cast<Worker*>(h->worker);
+    if (w->interleave_thr && w->draw() < w->interleave_thr) {
+        w->progress++;
+        yield(write ? "a store (interleaved)" : "a load (interleaved)");
+    }
+}
+
 }  // namespace
 
 void syncthreads() {
     Worker& w = *cur_worker();
-    uint64_t g = w.bar_gen;
-    w.bar_arrived++;
+    BlockSlot& b = slot_of(w, cur_fiber());
+    uint64_t g = b.bar_gen;
+    b.bar_arrived++;
     w.progress++;
-    if (w.bar_arrived == w.live) {
-        w.bar_arrived = 0;
-        w.bar_gen++;
-        release(w.bar_waiters);
+    if (b.bar_arrived == b.live) {
+        b.bar_arrived = 0;
+        b.bar_gen++;
+        release(b.bar_waiters);
         if (w.shuffle) yield("__syncthreads (released)");
         return;
     }
-    while (w.bar_gen == g) block_on(w.bar_waiters, "__syncthreads");
+    while (b.bar_gen == g) block_on(b.bar_waiters, "__syncthreads");
 }
 
 const uint64_t* warp_exchange(unsigned mask, int op, uint64_t mine) {
     FiberHead* h = self();
     Worker& w = *static_cast<Worker*>(h->worker);
     Fiber* f = static_cast<Fiber*>(h->fiber);
+    BlockSlot& b = slot_of(w, f);
     const unsigned lane = h->ctx.lane;
-    WarpState& ws = w.warps[h->ctx.warp];
+    WarpState& ws = b.warps[h->ctx.warp];
     if (!((mask >> lane) & 1U)) fail("a *_sync intrinsic called by a lane outside its mask");
-    const unsigned nwarp = std::min(32U, w.nthreads - 32U * h->ctx.warp);
+    const unsigned nwarp = std::min(32U, b.nthreads - 32U * h->ctx.warp);
     if (nwarp < 32 && (mask >> nwarp)) fail("*_sync mask names lanes past the end of the block");
-    int b = (int)(ws.gen & 1U);
-    while (ws.readers[b] > 0) {  // the buffer's previous values are still being read
+    int bi = (int)(ws.gen & 1U);
+    while (ws.readers[bi] > 0) {  // the buffer's previous values are still being read
         yield("warp op (previous values unread)");
-        b = (int)(ws.gen & 1U);
+        bi = (int)(ws.gen & 1U);
     }
     if (ws.arrived && (ws.mask != mask || ws.op != op))
         fail("lanes of one warp in different *_sync operations or masks at the same time "
@@ -408,43 +504,161 @@ const uint64_t* warp_exchange(unsigned mask, int op, uint64_t mine) {
     if ((mask & ws.live_lanes) != mask) fail("*_sync mask names a lane that has exited");
     ws.mask = mask;
     ws.op = op;
-    ws.slots[b][lane] = mine;
+    ws.slots[bi][lane] = mine;
     ws.arrived++;
     ws.arrived_lanes |= 1U << lane;
     w.progress++;
-    f->read_buf = b;
+    f->read_buf = bi;
     const uint64_t g = ws.gen;
     if (ws.arrived == (unsigned)__builtin_popcount(mask)) {
         ws.arrived = 0;
         ws.arrived_lanes = 0;
-        ws.readers[b] = (unsigned)__builtin_popcount(mask);
+        ws.readers[bi] = (unsigned)__builtin_popcount(mask);
         ws.gen++;
         release(ws.waiters);
         if (w.shuffle) yield("warp op (released)");
     } else {
         while (ws.gen == g) block_on(ws.waiters, "a warp *_sync");
     }
-    return ws.slots[b];
+    return ws.slots[bi];
 }
 
 void warp_done_reading() {
     FiberHead* h = self();
     Worker& w = *static_cast<Worker*>(h->worker);
-    w.warps[h->ctx.warp].readers[static_cast<Fiber*>(h->fiber)->read_buf]--;
+    Fiber* f = static_cast<Fiber*>(h->fiber);
+    slot_of(w, f).warps[h->ctx.warp].readers[f->read_buf]--;
     w.progress++;
 }
 
-void atomic_point() {
+void check_align(const void* p, unsigned size, const char* what) {
+    if (!t_in_fiber || !((uintptr_t)p & (size - 1))) return;
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "misaligned %s of %u bytes at %p (CUDA needs natural alignment)", what, size, p);
+    fail(buf);
+}
+
+void atomic_point(const void* p, unsigned size) {
+    check_align(p, size, "atomic");
     Worker* w = cur_worker();
-    if (w->shuffle) {
+    if (w->shuffle || w->interleave_thr) {
         w->progress++;
         yield("atomic");
     }
 }
 
-int register_dynamic_shared(void* (*addr)(), unsigned long long bytes) {
-    dyn_shared().push_back({addr, bytes});
-    return 1;
+uint64_t atomic_load_bits(const void* p, unsigned size) {
+    switch (size) {
+        case 4: return __atomic_load_n(static_cast<const uint32_t*>(p), __ATOMIC_SEQ_CST);
+        case 8: return __atomic_load_n(static_cast<const uint64_t*>(p), __ATOMIC_SEQ_CST);
+        case 2: return __atomic_load_n(static_cast<const uint16_t*>(p), __ATOMIC_SEQ_CST);
+        default: return __atomic_load_n(static_cast<const uint8_t*>(p), __ATOMIC_SEQ_CST);
+    }
+}
+
+template <class U> static bool cas_as(void* p, uint64_t* expected, uint64_t desired) {
+    U e = (U)*expected;
+    bool ok = __atomic_compare_exchange_n(static_cast<U*>(p), &e, (U)desired, false, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST);
+    *expected = e;
+    return ok;
+}
+
+bool atomic_cas_bits(void* p, unsigned size, uint64_t* expected, uint64_t desired) {
+    switch (size) {
+        case 4: return cas_as<uint32_t>(p, expected, desired);
+        case 8: return cas_as<uint64_t>(p, expected, desired);
+        case 2: return cas_as<uint16_t>(p, expected, desired);
+        default: return cas_as<uint8_t>(p, expected, desired);
+    }
+}
+
+void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+unsigned long long register_static_shared(unsigned long long size, unsigned long long align) {
+    std::lock_guard<std::mutex> g(registry_mutex());
+    size_t a = std::max<size_t>(align, 16);
+    size_t off = (static_end() + a - 1) & ~(a - 1);
+    static_slots().push_back({off, (size_t)size});
+    static_end() = off + size + kRedzone;
+    return off;
+}
+
+// -- PTX conversions: cvt.f32.f16 and cvt.{rn,rz,rm,rp}.f16.f32 ------------------------------
+namespace {
+
+uint32_t f16_to_f32_bits(uint16_t h) {
+    uint32_t sign = ((uint32_t)h & 0x8000U) << 16, e = ((uint32_t)h >> 10) & 0x1FU, m = (uint32_t)h & 0x3FFU;
+    if (e == 0x1FU) return sign | 0x7F800000U | (m << 13);  // inf, NaN (payload kept)
+    if (e == 0) {
+        if (m == 0) return sign;
+        int k = 0;  // normalise the subnormal: m * 2^-24 = 1.f * 2^(-14 - k)
+        while (!(m & 0x400U)) {
+            m <<= 1;
+            k++;
+        }
+        return sign | ((uint32_t)(127 - 14 - k) << 23) | ((m & 0x3FFU) << 13);
+    }
+    return sign | ((e + 112U) << 23) | (m << 13);
+}
+
+enum Round { RN, RZ, RM, RP };
+
+// IEEE binary32 -> binary16 with the given rounding; NaN -> 0x7FFF (cvt's canonical NaN)
+uint16_t f32_to_f16_bits(uint32_t x, Round mode) {
+    const uint32_t sign = (x >> 16) & 0x8000U, ax = x & 0x7FFFFFFFU;
+    const bool neg = sign != 0;
+    if (ax > 0x7F800000U) return 0x7FFF;
+    if (ax == 0x7F800000U) return (uint16_t)(sign | 0x7C00U);
+    uint32_t e = ax >> 23, m = ax & 0x7FFFFFU;
+    uint64_t base, rem, half;
+    if (e >= 113U) {  // normal range of binary16 (or above: the carry / exponent overflows below)
+        if (e > 142U) {  // >= 2^16: beyond the largest finite half (65504)
+            bool to_inf = mode == RN || (mode == RP && !neg) || (mode == RM && neg);
+            return (uint16_t)(sign | (to_inf ? 0x7C00U : 0x7BFFU));
+        }
+        base = ((uint64_t)(e - 112U) << 10) | (m >> 13);
+        rem = m & 0x1FFFU;
+        half = 0x1000U;
+    } else {  // a subnormal half: units of 2^-24
+        uint64_t mm = e ? (m | 0x800000U) : m;
+        unsigned s = 126U - (e ? e : 1U);  // value = mm * 2^(e' - 150) = (mm >> s) units
+        if (s > 40U) s = 40U;
+        base = mm >> s;
+        rem = mm & ((1ULL << s) - 1ULL);
+        half = 1ULL << (s - 1U);
+    }
+    bool up = false;
+    if (mode == RN) up = rem > half || (rem == half && (base & 1U));
+    else if (mode == RP) up = !neg && rem != 0;
+    else if (mode == RM) up = neg && rem != 0;
+    if (up) base++;  // a carry bumps the exponent (to inf past 65504)
+    if (base > 0x7C00U) base = 0x7C00U;
+    if (mode == RZ || (mode == RP && neg) || (mode == RM && !neg))
+        if (base >= 0x7C00U) base = 0x7BFFU;
+    return (uint16_t)(sign | base);
+}
+
+bool op_is(const char* text, const char* op) {
+    size_t n = std::strlen(op);
+    return std::strncmp(text, op, n) == 0 && (text[n] == ' ' || text[n] == '\t');
+}
+
+}  // namespace
+
+uint64_t ptx_bits(const char* text, uint64_t in, unsigned in_size, unsigned out_size) {
+    while (*text == ' ' || *text == '\t' || *text == '\n') ++text;
+    if (op_is(text, "cvt.f32.f16") && in_size == 2 && out_size == 4) return f16_to_f32_bits((uint16_t)in);
+    static const struct {
+        const char* op;
+        Round mode;
+    } to_half[] = {{"cvt.rn.f16.f32", RN}, {"cvt.rz.f16.f32", RZ}, {"cvt.rm.f16.f32", RM}, {"cvt.rp.f16.f32", RP}};
+    for (auto& c : to_half)
+        if (op_is(text, c.op) && in_size == 4 && out_size == 2) return f32_to_f16_bits((uint32_t)in, c.mode);
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "inline PTX the emulator does not know (%u -> %u bytes): %.120s", in_size, out_size,
+                  text);
+    fail(buf);
 }
 
 int run_grid(const LaunchCfg* cfg, Thunk thunk, void* args, char* err, int errlen) {
@@ -456,10 +670,10 @@ int run_grid(const LaunchCfg* cfg, Thunk thunk, void* args, char* err, int errle
     if (!nthreads || nthreads > 1024 || cfg->block[2] > 64) return report("invalid block dimensions");
     if (!cfg->grid[0] || !cfg->grid[1] || !cfg->grid[2] || cfg->grid[1] > 65535 || cfg->grid[2] > 65535)
         return report("invalid grid dimensions");
-    for (auto& d : dyn_shared())
-        if (cfg->shared_bytes > d.bytes)
-            return report("dynamic shared memory " + std::to_string(cfg->shared_bytes) + " B exceeds the " +
-                          std::to_string(d.bytes) + " B a launch gets without an opt-in attribute");
+    if (cfg->shared_bytes > kDynMax)
+        return report("dynamic shared memory " + std::to_string(cfg->shared_bytes) + " B exceeds the " +
+                      std::to_string(kDynMax) + " B a launch gets without an opt-in attribute");
+    const unsigned resident = (unsigned)std::max(1, std::min(cfg->resident, 16));
     const unsigned long long nblocks = (unsigned long long)cfg->grid[0] * cfg->grid[1] * cfg->grid[2];
     std::vector<unsigned long long> order(nblocks);
     std::iota(order.begin(), order.end(), 0ULL);
@@ -468,32 +682,35 @@ int run_grid(const LaunchCfg* cfg, Thunk thunk, void* args, char* err, int errle
     std::atomic<bool> failed{false};
     std::mutex mu;
     std::string first_error;
+    const double p = std::min(1.0, std::max(0.0, cfg->interleave));
+    const uint64_t thr = p <= 0 ? 0 : p >= 1 ? ~0ULL : (uint64_t)(p * 18446744073709551616.0);
 
     auto work = [&](Worker& w, int wid) {
         w.error.clear();
         w.shuffle = cfg->seed != 0;
         w.rng.seed(cfg->seed * 0x9E3779B97F4A7C15ULL + (unsigned long long)wid);
+        w.xs = (cfg->seed + 1) * 0xD1B54A32D192ED03ULL + (unsigned long long)wid * 0x9E3779B97F4A7C15ULL + 1;
+        w.interleave_thr = thr;
         w.thunk = thunk;
         w.args = args;
-        w.block.bdim = uint3{cfg->block[0], cfg->block[1], cfg->block[2]};
-        w.block.gdim = uint3{cfg->grid[0], cfg->grid[1], cfg->grid[2]};
-        for (unsigned long long k; !failed.load() && (k = next.fetch_add(1)) < nblocks;) {
-            unsigned long long b = order[k];
-            uint3 bid{(unsigned)(b % cfg->grid[0]), (unsigned)((b / cfg->grid[0]) % cfg->grid[1]),
-                      (unsigned)(b / ((unsigned long long)cfg->grid[0] * cfg->grid[1]))};
-            if (!run_block(w, bid, *cfg)) {
+        std::vector<uint3> bids(resident);
+        for (unsigned long long k; !failed.load() && (k = next.fetch_add(resident)) < nblocks;) {
+            unsigned count = (unsigned)std::min<unsigned long long>(resident, nblocks - k);
+            for (unsigned s = 0; s < count; ++s) {
+                unsigned long long b = order[k + s];
+                bids[s] = uint3{(unsigned)(b % cfg->grid[0]), (unsigned)((b / cfg->grid[0]) % cfg->grid[1]),
+                                (unsigned)(b / ((unsigned long long)cfg->grid[0] * cfg->grid[1]))};
+            }
+            if (!run_blocks(w, bids.data(), count, *cfg)) {
                 std::lock_guard<std::mutex> g(mu);
                 if (first_error.empty()) first_error = w.error;
                 failed = true;
             }
         }
-        for (auto& d : dyn_shared()) {
 #if EMU_ASAN
-            __asan_unpoison_memory_region(d.addr(), d.bytes);
-#else
-            (void)d;
+        for (auto& s : w.slots)
+            if (s->arena) __asan_unpoison_memory_region(s->arena, s->arena_bytes);
 #endif
-        }
     };
     int nw = std::max(1, std::min<int>(cfg->workers, (int)std::min<unsigned long long>(nblocks, 64)));
     if (nw == 1) {
@@ -508,3 +725,24 @@ int run_grid(const LaunchCfg* cfg, Thunk thunk, void* args, char* err, int errle
 }
 
 }  // namespace emu
+
+// -- the callbacks of -fsanitize=thread instrumentation (the kernel translation unit) ----------
+#define EMU_HOOK extern "C" __attribute__((visibility("hidden")))
+EMU_HOOK void __tsan_init() {}
+EMU_HOOK void __tsan_func_entry(void*) {}
+EMU_HOOK void __tsan_func_exit() {}
+EMU_HOOK void __tsan_read_range(void*, unsigned long) {}
+EMU_HOOK void __tsan_write_range(void*, unsigned long) {}
+EMU_HOOK void __tsan_vptr_update(void**, void*) {}
+EMU_HOOK void __tsan_vptr_read(void**) {}
+#define EMU_ACCESS(n)                                                                     \
+    EMU_HOOK void __tsan_read##n(void* p) { emu::on_access(p, n, true, false); }          \
+    EMU_HOOK void __tsan_write##n(void* p) { emu::on_access(p, n, true, true); }          \
+    EMU_HOOK void __tsan_unaligned_read##n(void* p) { emu::on_access(p, n, false, false); } \
+    EMU_HOOK void __tsan_unaligned_write##n(void* p) { emu::on_access(p, n, false, true); }
+EMU_ACCESS(1)
+EMU_ACCESS(2)
+EMU_ACCESS(4)
+EMU_ACCESS(8)
+EMU_ACCESS(16)
+#undef EMU_ACCESS
