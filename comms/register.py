@@ -1,5 +1,5 @@
 """One-line entry points: ``make_hook`` and ``register``; ``check_optimizer`` for the
-momentum pairing (issue 17).
+momentum pairing.
 
 The pairing: error feedback meeting an optimizer's momentum diverges for aggressive biased
 compressors (top-k 1%, sign, random-k 1% on SGD momentum 0.9). The hook applies the momentum
@@ -22,7 +22,8 @@ from .hook import compression_hook
 from .replicas import ReplicaGuard
 from .state import CompressionState
 
-__all__ = ["make_hook", "register", "check_optimizer", "take_over_momentum"]
+__all__ = ["make_hook", "register", "check_optimizer", "take_over_momentum", "pair_optimizer",
+           "give_back_momentum", "replica_guard"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,25 +154,64 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         >>> state = comms.register(ddp_model, "topk:density=0.01")
     """
     if not isinstance(ddp_model, DistributedDataParallel):
+        hint = ("; for FSDP2 (fully_shard) models use comms.fsdp.register(model, spec)"
+                if _is_fsdp2(ddp_model) else "")
         raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
-                        f"got {type(ddp_model).__name__}")
+                        f"got {type(ddp_model).__name__}{hint}")
     if getattr(ddp_model, "_commpress_state", None) is not None:
         raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
-    guard = None
-    if check_replicas_every:  # validated before anything is registered
-        guard = ReplicaGuard(ddp_model.module, check_replicas_every)
-    elif check_replicas_every not in (None, 0) or isinstance(check_replicas_every, bool):
+    guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
+    state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs)
+    state.bind(ddp_model)
+    state.replica_guard = guard
+    try:
+        ddp_model.register_comm_hook(state, compression_hook)
+    except RuntimeError as exc:  # DDP refuses a second hook of any kind
+        give_back_momentum(optimizer, taken)  # nothing half-applied
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
+                         f"{exc}") from exc
+    ddp_model._commpress_state = state
+    return state
+
+
+def _is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def replica_guard(module, check_replicas_every, **kw):
+    """A :class:`~comms.replicas.ReplicaGuard` for ``check_replicas_every`` (``None``/0: off);
+    raises naming a bad value."""
+    if check_replicas_every:
+        return ReplicaGuard(module, check_replicas_every, **kw)
+    if check_replicas_every not in (None, 0) or isinstance(check_replicas_every, bool):
         raise TypeError(f"check_replicas_every must be an int, got {check_replicas_every!r}")
+    return None
+
+
+def pair_optimizer(optimizer, build, kwargs: dict):
+    """Build a hook state with ``build(**kwargs)`` paired with ``optimizer`` as
+    :func:`register` describes: SGD momentum taken over (validated with a probe state first,
+    so a bad option changes nothing), the pairing checked, or a warning without an optimizer.
+
+    Returns:
+        ``(state, taken)``: ``taken`` the momentum taken from ``optimizer`` (``None``: none),
+        for :func:`give_back_momentum` if registering fails afterwards.
+    """
     taken = None
     if optimizer is not None:
         momenta = _group_momenta(optimizer)  # TypeError before anything changes
         if kwargs.get("momentum") is None and any(momenta):
-            probe, _ = make_hook(compressor, momentum=momenta[0], **kwargs)  # validate the rest first
+            probe = build(**{**kwargs, "momentum": momenta[0]})  # validate the rest first
             if getattr(probe.compressor, "momentum_correction", True):
-                kwargs["momentum"] = taken = take_over_momentum(optimizer)
-    state, hook = make_hook(compressor, **kwargs)
+                kwargs = {**kwargs, "momentum": take_over_momentum(optimizer)}
+                taken = kwargs["momentum"]
+    state = build(**kwargs)
     if optimizer is not None:
         check_optimizer(state, optimizer)
     elif state.momentum is None and _wants_correction(state):
@@ -179,15 +219,11 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
                        "optimizer's momentum; with SGD momentum pass register(..., optimizer=opt) "
                        "(or momentum= and an optimizer momentum of 0): error feedback meeting an "
                        "optimizer's momentum can diverge", state.compressor.spec())
-    state.bind(ddp_model)
-    state.replica_guard = guard
-    try:
-        ddp_model.register_comm_hook(state, hook)
-    except RuntimeError as exc:  # DDP refuses a second hook of any kind
-        if taken is not None:  # nothing half-applied: the optimizer gets its momentum back
-            for g in optimizer.param_groups:
-                g["momentum"] = taken
-        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
-                         f"{exc}") from exc
-    ddp_model._commpress_state = state
-    return state
+    return state, taken
+
+
+def give_back_momentum(optimizer, taken) -> None:
+    """Undo :func:`take_over_momentum` (a registration that failed afterwards)."""
+    if taken is not None:
+        for g in optimizer.param_groups:
+            g["momentum"] = taken

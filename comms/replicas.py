@@ -38,8 +38,17 @@ def param_fingerprint(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * weights).sum()])
 
 
+def _local(t: torch.Tensor, gathered: bool) -> torch.Tensor:
+    """A DTensor parameter as what is compared: its local shard, or with ``gathered`` the full
+    tensor every rank all-gathers (FSDP: each shard has one holder; the gathered parameters
+    are what every rank computes with)."""
+    if hasattr(t, "to_local"):
+        return t.full_tensor() if gathered else t.to_local()
+    return t
+
+
 def check_replicas(model: torch.nn.Module, process_group=None, *, buffers: bool = False,
-                   communicator: Communicator | None = None) -> torch.Tensor:
+                   communicator: Communicator | None = None, gathered: bool = False) -> torch.Tensor:
     """Raise on every rank if any parameter differs between the ranks of the group.
 
     Args:
@@ -47,6 +56,8 @@ def check_replicas(model: torch.nn.Module, process_group=None, *, buffers: bool 
         process_group: the data-parallel group (``None``: WORLD).
         buffers: also compare buffers (BatchNorm running stats, ...).
         communicator: a :class:`~comms.communicator.Communicator` instead of a group.
+        gathered: DTensor parameters (FSDP2) are compared as full tensors (an all-gather of
+            each) instead of their local shards (HSDP replicas hold equal shards).
 
     Returns:
         This rank's ``(num_tensors, 2)`` int64 fingerprint table (equal on all ranks).
@@ -63,9 +74,9 @@ def check_replicas(model: torch.nn.Module, process_group=None, *, buffers: bool 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"check_replicas needs a torch.nn.Module, got {type(model).__name__}")
     module = getattr(model, "module", model)
-    named = list(module.named_parameters())
+    named = [(n, _local(p, gathered)) for n, p in module.named_parameters()]
     if buffers:
-        named += list(module.named_buffers())
+        named += [(n, _local(b, gathered)) for n, b in module.named_buffers()]
     comm = communicator or TorchCommunicator(process_group)
     device = named[0][1].device if named else torch.device("cpu")
     if device.type != "cpu" and comm.backend in ("gloo", "mpi"):
@@ -106,19 +117,19 @@ class ReplicaGuard:
     Holds a reference to the module; not pickled with the hook state.
     """
 
-    __slots__ = ("module", "every", "checks")
+    __slots__ = ("module", "every", "checks", "gathered")
 
-    def __init__(self, module: torch.nn.Module, every: int):
+    def __init__(self, module: torch.nn.Module, every: int, gathered: bool = False):
         if isinstance(every, bool) or not isinstance(every, int):
             raise TypeError(f"check_replicas_every must be an int, got {every!r}")
         if every < 1:
             raise ValueError(f"check_replicas_every must be >= 1 (or 0/None: off), got {every!r}")
-        self.module, self.every, self.checks = module, every, 0
+        self.module, self.every, self.checks, self.gathered = module, every, 0, gathered
 
     def maybe_check(self, step: int, comm: Communicator) -> None:
         if step > 0 and step % self.every == 0:
             try:
-                check_replicas(self.module, communicator=comm)
+                check_replicas(self.module, communicator=comm, gathered=self.gathered)
             except ReplicaMismatchError as exc:
                 raise ReplicaMismatchError(f"commpress: replica check at step {step} "
                                            f"(check_replicas_every={self.every}): {exc}") from None

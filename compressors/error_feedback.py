@@ -40,7 +40,7 @@ class ErrorFeedback:
     world size).
     """
 
-    __slots__ = ("residuals", "velocities", "last_amax", "draining")
+    __slots__ = ("residuals", "velocities", "last_amax", "draining", "layout_resets")
 
     def __init__(self):
         self.residuals: dict[int, torch.Tensor] = {}
@@ -50,14 +50,25 @@ class ErrorFeedback:
         #: fp32 bits of the largest ``|x|`` the last compiled momentum / residual pass wrote
         #: (``None``: the torch path ran); the hook's non-finite check without another pass
         self.last_amax: int | None = None
+        #: residuals and velocities dropped because their bucket changed layout (``report()``)
+        self.layout_resets = 0
+
+    def _layout_reset(self, what: str, bucket: int, old: torch.Tensor, new: torch.Tensor) -> None:
+        self.layout_resets += 1
+        msg = ("commpress: the %s of bucket %d was reset: its layout changed (%d %s -> %d %s), so "
+               "what it held is lost (error feedback starts again from zero)")
+        args = (what, bucket, old.numel(), old.dtype, new.numel(), new.dtype)
+        if self.layout_resets == 1:
+            logger.warning(msg + "; logged once, counted in layout_resets", *args)
+        else:
+            logger.debug(msg, *args)
 
     def residual(self, bucket: int, like: torch.Tensor) -> torch.Tensor | None:
         r = self.residuals.get(bucket)
         if r is None:
             return None
         if r.numel() != like.numel() or r.dtype != like.dtype or r.device != like.device:
-            logger.debug("bucket %d changed layout (%d %s -> %d %s); residual reset",
-                         bucket, r.numel(), r.dtype, like.numel(), like.dtype)
+            self._layout_reset("residual", bucket, r, like)
             del self.residuals[bucket]
             return None
         return r
@@ -136,7 +147,7 @@ class ErrorFeedback:
         u = self.velocities.get(bucket)
         if u is not None and (u.numel() != like.numel() or u.dtype != like.dtype
                               or u.device != like.device):
-            logger.debug("bucket %d changed layout; velocity reset", bucket)
+            self._layout_reset("velocity", bucket, u, like)
             del self.velocities[bucket]
             return None
         return u

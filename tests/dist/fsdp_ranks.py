@@ -142,7 +142,7 @@ def direct_calls(rank, world):
     m = 37  # shard numel (odd on purpose)
     xs = [torch.randn(world * m, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     for spec in ("identity", "fp16", "topk:density=0.2"):
-        st = FSDPCompressionState(spec)
+        st = FSDPCompressionState(spec, warmup_steps=0)  # compressed from the first call
         st.modules = ["m"]
         rs = CompressedReduceScatter(st, 0)
         x = xs[rank].clone()
@@ -155,7 +155,7 @@ def direct_calls(rank, world):
         out[spec] = {"out": y.clone(), "avg": y_avg.clone(), "residual": None if res is None else res.clone(),
                      "ef_input": x2.clone()}
     # non-finite on rank 1 only, at the second call
-    st = FSDPCompressionState("topk:density=0.2")
+    st = FSDPCompressionState("topk:density=0.2", warmup_steps=0)
     st.modules = ["m"]
     rs = CompressedReduceScatter(st, 0)
     outs = []
