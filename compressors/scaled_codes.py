@@ -23,8 +23,8 @@ class ScaledCodesDecoder(Compressor):
 
     **Tensor-aligned chunks** (``align="tensor"``): when the context knows the
     bucket's parameter shapes (``ctx.known_shapes()``, two or more tensors), the chunk grid
-    restarts at every tensor, so no scale straddles two tensors (a LayerNorm gain no longer
-    shares a scale with the neighbouring weight's entries). Payload: the tensors' flat
+    restarts at every tensor, so no scale straddles two tensors (a LayerNorm gain does not
+    share a scale with the neighbouring weight's entries). Payload: the tensors' flat
     payloads one after another — scales ``sum(ceil(n_i / chunk))``, codes
     ``sum(ceil(n_i * bits / 8))`` bytes. Private randomness (QSGD rounding) uses a stream per
     tensor. Without shapes (two-phase chunks, hierarchical shards, direct calls) the layout
