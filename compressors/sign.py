@@ -22,10 +22,9 @@ import logging
 import numpy as np
 import torch
 
-from .base import Compressor
 from .scaled_codes import ScaledCodesDecoder
 from .context import check_align, check_chunk, check_input
-from .memory import chunk_pieces, fresh_empty, numpy_view
+from .memory import chunk_pieces, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
 from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
