@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from .pairing import MISSING_STATE, check_options, find_ddp, register_model, repair_momentum, \
+from .pairing import check_options, find_ddp, register_model, repair_momentum, \
     warn_no_state
 from .rank_states import RankStates
 
@@ -109,7 +109,7 @@ def _missing(accelerator, input_dir) -> bool:
 
 def _warn_before_load(accelerator):
     def hook(models, input_dir):
-        if _missing(accelerator, input_dir):
+        if _missing(accelerator, input_dir) and accelerator.is_main_process:
             warn_no_state(input_dir, _commpress_objects(accelerator)[0].state.compressor.spec())
             logger.warning("commpress: accelerator.load_state refuses a folder with fewer custom "
                            "states than registered; comms.integrations.accelerate.load_state "
@@ -127,7 +127,8 @@ def load_state(accelerator, input_dir: str, **kwargs) -> None:
     ours = _commpress_objects(accelerator)
     states = [o.state for o in ours]
     if ours and _missing(accelerator, input_dir):
-        logger.warning(MISSING_STATE, input_dir, states[0].compressor.spec())
+        if accelerator.is_main_process:
+            warn_no_state(input_dir, states[0].compressor.spec())
         kept = list(accelerator._custom_objects)
         accelerator._custom_objects[:] = [o for o in kept if not isinstance(o, RankStates)]
         try:

@@ -133,6 +133,8 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
             Nesterov (nothing is changed); what :func:`comms.register` raises.
     """
     opts = [unwrap_optimizer(o) for o in optimizers]
+    if options.get("momentum", 0) is None:  # register's take-over passes momentum= itself
+        options = {k: v for k, v in options.items() if k != "momentum"}
     if len(opts) <= 1:
         return register(ddp_model, compressor, optimizer=opts[0] if opts else None, **options)
     momenta = _momenta(opts)

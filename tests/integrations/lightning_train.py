@@ -2,7 +2,9 @@
 ``popen`` launcher re-runs this file for rank 1). Writes ``rank{R}.json`` into argv[1].
 
 Run A: 1 epoch (4 steps), checkpoint. Run B: resume A's checkpoint, 2nd epoch. Run C: 2
-epochs straight. B and C must end with the same parameter bits and commpress state."""
+epochs straight. B and C must end with the same parameter bits and commpress state. Run D:
+resume A's checkpoint stripped of its commpress state and with the optimizer's momentum
+back (as a plain-DDP run writes it): a WARNING, and the optimizer's momentum goes back to 0."""
 
 import json
 import os
@@ -67,6 +69,14 @@ def main(out):
     mc = MLP()
     tc.fit(mc, loader())
     rank = tc.global_rank
+    plain = torch.load(ckpt, weights_only=True)
+    del plain[CHECKPOINT_KEY]
+    for g in plain["optimizer_states"][0]["param_groups"]:
+        g["momentum"] = 0.9
+    plain_path = os.path.join(out, f"plain{rank}.ckpt")
+    torch.save(plain, plain_path)
+    sd, td = trainer(2)
+    td.fit(MLP(), loader(), ckpt_path=plain_path)
     saved = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]
     res = {
         "rank": rank,
@@ -80,6 +90,9 @@ def main(out):
                                                sc.commpress_state.memory.residuals[k])
                                    for k in sc.commpress_state.memory.residuals),
         "params_c": flat(mc).tolist()[:8],
+        "momenta_c": [sc.commpress_state.momentum, tc.optimizers[0].param_groups[0]["momentum"]],
+        "momenta_d": [sd.commpress_state.momentum, td.optimizers[0].param_groups[0]["momentum"]],
+        "iter_d": sd.commpress_state.iter,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
