@@ -11,6 +11,16 @@
 //   load_f32(p, i, dtype)       element i of a float32 (0) / float16 (1) / bfloat16 (2) buffer
 //   store_from_f32(p, i, v, dt) round-to-nearest-even store, NaN -> canonical like torch
 //   block_reduce_max_nan(v)     block-wide max that propagates NaN (like torch.amax)
+//   load8 / store8              8 consecutive elements as fp32 through 16-byte vector accesses
+//   load8_tail / store8_tail    the same element by element, bounded by n (tails, misaligned data)
+//   load_group / store_group    one of the two, by alignment and by whether the group is whole
+//   store_code_group / load_code_group   the bits bytes of 8 packed codes (QSGD, sign)
+//
+// Vector accesses: 8 consecutive elements starting at a multiple of 8 are 32 bytes (fp32) or 16
+// bytes (fp16/bf16), so one 16-byte aligned base pointer makes every such group 16-byte aligned.
+// vec4u / vec2u are this file's own aligned structs (not CUDA's uint4, so nothing depends on
+// NVRTC's built-in vector types); the kernels test the base pointers' alignment at run time and
+// take the element-wise path otherwise.
 #ifndef COMMPRESS_COMMON_CUH
 #define COMMPRESS_COMMON_CUH
 
@@ -38,49 +48,18 @@ __device__ __forceinline__ float hash_uniform(u32 i, u32 key) {
     return __fmul_rn(__fadd_rn(__uint2float_rn(h), 0.5f), 5.9604644775390625e-08f);
 }
 
-// The device path is one PTX cvt each. Host compilers (the CPU emulator of tests/emu builds
-// these files with g++) take the same conversions written in integer ops: exact widening;
-// round to nearest even, overflow to inf, NaN -> 0x7FFF (cvt.rn.f16.f32's canonical NaN).
+// One PTX cvt each (round to nearest even; NaN -> 0x7FFF, cvt.rn.f16.f32's canonical NaN). The
+// CPU emulator of tests/emu compiles this same branch and emulates the two instructions.
 __device__ __forceinline__ float half_bits_to_f32(u16 h) {
-#ifdef __CUDA_ARCH__
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
-#else
-    u32 sign = ((u32)h & 0x8000U) << 16, e = ((u32)h >> 10) & 0x1FU, m = (u32)h & 0x3FFU;
-    if (e == 0x1FU) return __uint_as_float(sign | 0x7F800000U | (m << 13));  // inf, NaN
-    if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
-        float v = __fmul_rn(__uint2float_rn(m), 5.9604644775390625e-08f);
-        return __uint_as_float(sign | __float_as_uint(v));
-    }
-    return __uint_as_float(sign | ((e + 112U) << 23) | (m << 13));
-#endif
 }
 
 __device__ __forceinline__ u16 f32_to_half_bits(float f) {
-#ifdef __CUDA_ARCH__
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
-#else
-    u32 x = __float_as_uint(f), sign = (x >> 16) & 0x8000U, ax = x & 0x7FFFFFFFU;
-    if (ax > 0x7F800000U) return (u16)0x7FFF;                // NaN
-    if (ax >= 0x477FF000U) return (u16)(sign | 0x7C00U);     // >= 65520 rounds to inf
-    u32 e = ax >> 23, base, rem, halfway;
-    if (e < 113U) {  // below 2^-14: a subnormal half (units of 2^-24) or zero
-        if (ax < 0x33000000U) return (u16)sign;              // <= 2^-25 rounds to zero
-        u32 m = (ax & 0x7FFFFFU) | 0x800000U, s = 126U - e;  // value = m * 2^(e-150)
-        base = m >> s;
-        rem = m & ((1U << s) - 1U);
-        halfway = 1U << (s - 1U);
-    } else {
-        base = ((e - 112U) << 10) | ((ax >> 13) & 0x3FFU);
-        rem = ax & 0x1FFFU;
-        halfway = 0x1000U;
-    }
-    if (rem > halfway || (rem == halfway && (base & 1U))) base++;  // a carry bumps the exponent
-    return (u16)(sign | base);
-#endif
 }
 
 // c10::round_to_nearest_even: NaN -> 0x7FC0, else add the rounding bias and truncate.
@@ -154,6 +133,115 @@ __device__ __forceinline__ float qsgd_value(u32 q, float w, float s) {
 __device__ __forceinline__ u32 get_code(const u8* packed, i64 i, int bits) {
     i64 bitpos = i * bits;
     return ((u32)packed[bitpos >> 3] >> (u32)(bitpos & 7)) & ((1U << bits) - 1U);
+}
+
+struct alignas(16) vec4u { u32 x, y, z, w; };
+struct alignas(8) vec2u { u32 x, y; };
+
+__device__ __forceinline__ bool aligned_to(const void* p, unsigned bytes) {
+    return ((unsigned long long)p & (bytes - 1U)) == 0;
+}
+
+__device__ __forceinline__ float bits16_to_f32(u32 h, int dtype) {
+    return dtype == DT_F16 ? half_bits_to_f32((u16)h) : __uint_as_float(h << 16);
+}
+
+__device__ __forceinline__ u32 f32_to_bits16(float v, int dtype) {
+    return dtype == DT_F16 ? (u32)f32_to_half_bits(v) : (u32)f32_to_bf16_bits(v);
+}
+
+// elements i..i+7 (i a multiple of 8) of a 16-byte aligned buffer
+__device__ __forceinline__ void load8(const void* p, i64 i, int dtype, float v[8]) {
+    if (dtype == DT_F32) {
+        const vec4u* q = reinterpret_cast<const vec4u*>((const float*)p + i);
+        vec4u a = q[0], b = q[1];
+        v[0] = __uint_as_float(a.x); v[1] = __uint_as_float(a.y);
+        v[2] = __uint_as_float(a.z); v[3] = __uint_as_float(a.w);
+        v[4] = __uint_as_float(b.x); v[5] = __uint_as_float(b.y);
+        v[6] = __uint_as_float(b.z); v[7] = __uint_as_float(b.w);
+    } else {
+        vec4u a = *reinterpret_cast<const vec4u*>((const u16*)p + i);
+        u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = bits16_to_f32((w[k >> 1] >> (16 * (k & 1))) & 0xFFFFU, dtype);
+    }
+}
+
+__device__ __forceinline__ void load8_tail(const void* p, i64 i, i64 n, int dtype, float v[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = i + k < n ? load_f32(p, i + k, dtype) : 0.0f;
+}
+
+__device__ __forceinline__ void store8(void* p, i64 i, int dtype, const float v[8]) {
+    if (dtype == DT_F32) {
+        vec4u* q = reinterpret_cast<vec4u*>((float*)p + i);
+        vec4u a, b;
+        a.x = __float_as_uint(v[0]); a.y = __float_as_uint(v[1]);
+        a.z = __float_as_uint(v[2]); a.w = __float_as_uint(v[3]);
+        b.x = __float_as_uint(v[4]); b.y = __float_as_uint(v[5]);
+        b.z = __float_as_uint(v[6]); b.w = __float_as_uint(v[7]);
+        q[0] = a;
+        q[1] = b;
+    } else {
+        u32 w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = f32_to_bits16(v[2 * k], dtype) | (f32_to_bits16(v[2 * k + 1], dtype) << 16);
+        vec4u a;
+        a.x = w[0]; a.y = w[1]; a.z = w[2]; a.w = w[3];
+        *reinterpret_cast<vec4u*>((u16*)p + i) = a;
+    }
+}
+
+__device__ __forceinline__ void store8_tail(void* p, i64 i, i64 n, int dtype, const float v[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+        if (i + k < n) store_from_f32(p, i + k, v[k], dtype);
+}
+
+// a group of 8 from element i: vectorised when `vec` (16-byte aligned base) and whole
+__device__ __forceinline__ void load_group(const void* p, i64 i, i64 n, int dtype, bool vec, float v[8]) {
+    if (vec && i + 8 <= n) load8(p, i, dtype, v);
+    else load8_tail(p, i, n, dtype, v);
+}
+
+__device__ __forceinline__ void store_group(void* p, i64 i, i64 n, int dtype, bool vec, const float v[8]) {
+    if (vec && i + 8 <= n) store8(p, i, dtype, v);
+    else store8_tail(p, i, n, dtype, v);
+}
+
+// The `bits` bytes of 8 codes (bits * 8 bits, element i0 at the lowest bits) at byte `off` of a
+// packed stream: one naturally aligned store when `vec` (off is a multiple of bits), else bytes
+// below nbytes only (the stream's last, partial group).
+__device__ __forceinline__ void store_code_group(u8* packed, i64 off, unsigned long long g, int bits, bool vec,
+                                                 i64 nbytes) {
+    if (vec && off + bits <= nbytes) {
+        if (bits == 1) packed[off] = (u8)g;
+        else if (bits == 2) *reinterpret_cast<u16*>(packed + off) = (u16)g;
+        else if (bits == 4) *reinterpret_cast<u32*>(packed + off) = (u32)g;
+        else {
+            vec2u w;
+            w.x = (u32)g;
+            w.y = (u32)(g >> 32);
+            *reinterpret_cast<vec2u*>(packed + off) = w;
+        }
+        return;
+    }
+    for (int b = 0; b < bits && off + b < nbytes; ++b) packed[off + b] = (u8)(g >> (8 * b));
+}
+
+// The inverse: the 8 codes' `bits` bytes at byte `off` (bytes past nbytes read as 0).
+__device__ __forceinline__ unsigned long long load_code_group(const u8* packed, i64 off, int bits, bool vec,
+                                                              i64 nbytes) {
+    if (vec && off + bits <= nbytes) {
+        if (bits == 1) return packed[off];
+        if (bits == 2) return *reinterpret_cast<const u16*>(packed + off);
+        if (bits == 4) return *reinterpret_cast<const u32*>(packed + off);
+        vec2u w = *reinterpret_cast<const vec2u*>(packed + off);
+        return (unsigned long long)w.x | ((unsigned long long)w.y << 32);
+    }
+    unsigned long long g = 0;
+    for (int b = 0; b < bits && off + b < nbytes; ++b) g |= (unsigned long long)packed[off + b] << (8 * b);
+    return g;
 }
 
 #endif  // COMMPRESS_COMMON_CUH

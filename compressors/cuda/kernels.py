@@ -84,6 +84,11 @@ def _dev(t: torch.Tensor) -> int:
     return torch.cuda.current_device() if t.is_cuda else 0
 
 
+def _groups(n: int) -> int:
+    # the vectorised kernels give each thread groups of 8 consecutive elements
+    return -(-n // 8)
+
+
 def _packed_nbytes(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
@@ -113,7 +118,12 @@ def qsgd_compress(x: torch.Tensor, bits: int, chunk: int, key: int) -> list[torc
     if n == 0:
         return [scales, packed]
     dt, nb = np.int32(DTYPE_CODE[x.dtype]), _i64(packed.numel())
-    if (chunk * bits) % 32 == 0 and packed.data_ptr() % 4 == 0:
+    if chunk % 8 == 0:
+        # one read of x: one block per chunk, groups of 8 in registers, aligned code stores
+        _backend.launch("qsgd_encode_chunks", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
+                      (x, dt, _i64(n), _i64(chunk), _i64(nch), np.int32(bits), np.uint32(key),
+                       scales, packed, nb))
+    elif (chunk * bits) % 32 == 0 and packed.data_ptr() % 4 == 0:
         # one block per chunk: each chunk owns whole words of the packed stream
         _backend.launch("qsgd_quantize_fused", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
                       (x, dt, _i64(n), _i64(chunk), _i64(nch), np.int32(bits), np.uint32(key),
@@ -141,7 +151,7 @@ def qsgd_decompress(scales: torch.Tensor, packed: torch.Tensor, bits: int, chunk
     idx = _dev(packed)
     out = _decode_target(acc, out, n, dtype, packed.device)
     if n:
-        _backend.launch("qsgd_dequantize", idx, _backend.grid_for(n, idx),
+        _backend.launch("qsgd_dequantize", idx, _backend.grid_for(_groups(n), idx),
                       (packed, scales, _i64(n), _i64(chunk), np.int32(bits), out,
                        np.int32(DTYPE_CODE[out.dtype]), np.int32(acc is not None)))
     return out
@@ -176,7 +186,7 @@ def sign_pack(x: torch.Tensor) -> torch.Tensor:
     n, idx = x.numel(), _dev(x)
     out = _packed_buffer(n, 1, x.device)
     if n:
-        _backend.launch("sign_pack", idx, _backend.grid_for(n, idx),
+        _backend.launch("sign_pack", idx, _backend.grid_for(n if x.data_ptr() % 16 else _groups(n), idx),
                       (x, np.int32(DTYPE_CODE[x.dtype]), _i64(n), out, _i64(out.numel())))
     return out
 
@@ -189,7 +199,7 @@ def sign_decompress(scales: torch.Tensor, packed: torch.Tensor, chunk: int, n: i
     idx = _dev(packed)
     out = _decode_target(acc, out, n, dtype, packed.device)
     if n:
-        _backend.launch("sign_decode", idx, _backend.grid_for(n, idx),
+        _backend.launch("sign_decode", idx, _backend.grid_for(_groups(n), idx),
                       (packed, scales, _i64(n), _i64(chunk), out, np.int32(DTYPE_CODE[out.dtype]),
                        np.int32(acc is not None)))
     return out
@@ -227,7 +237,7 @@ def shared_scale_encode(x: torch.Tensor, chunk: int, inv: torch.Tensor, step: to
     q = torch.empty(n, dtype=wire_dtype, device=x.device)
     own = None if own_dtype is None else torch.empty(n, dtype=own_dtype, device=x.device)
     if n:
-        _backend.launch("shared_scale_encode", idx, _backend.grid_for(n, idx),
+        _backend.launch("shared_scale_encode", idx, _backend.grid_for(_groups(n), idx),
                       (x, np.int32(DTYPE_CODE[x.dtype]), _i64(n), _i64(chunk), inv, step,
                        np.float32(levels), np.uint32(key), q, np.int32(wire_dtype == torch.int32),
                        own, np.int32(DTYPE_CODE[own_dtype] if own_dtype is not None else 0)))
@@ -239,7 +249,7 @@ def shared_scale_decode(q: torch.Tensor, chunk: int, step: torch.Tensor, dtype: 
     n, idx = q.numel(), _dev(q)
     out = torch.empty(n, dtype=dtype, device=q.device)
     if n:
-        _backend.launch("shared_scale_decode", idx, _backend.grid_for(n, idx),
+        _backend.launch("shared_scale_decode", idx, _backend.grid_for(_groups(n), idx),
                       (q, np.int32(q.dtype == torch.int32), _i64(n), _i64(chunk), step, out,
                        np.int32(DTYPE_CODE[dtype])))
     return out

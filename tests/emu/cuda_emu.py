@@ -59,8 +59,9 @@ CXXFLAGS = ("-std=c++20", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-
             "-Wall", "-Wno-unused-variable", "-Wno-unused-function")
 # the kernel translation unit only: the device branches (`#ifdef __CUDA_ARCH__`) are the ones
 # compiled; no auto-vectorisation or loop-to-memcpy rewriting (an access would be merged or
-# leave the instrumented code)
-KERNEL_FLAGS = ("-D__CUDA_ARCH__=900", "-fno-tree-vectorize", "-fno-tree-loop-distribute-patterns")
+# leave the instrumented code); no scalar replacement of aggregates, so a 16-byte vector load
+# stays one 16-byte access whose alignment the runtime checks (SRA splits it into 4-byte ones)
+KERNEL_FLAGS = ("-D__CUDA_ARCH__=900", "-fno-tree-vectorize", "-fno-tree-loop-distribute-patterns", "-fno-tree-sra")
 # every load and store calls the runtime (alignment check, interleaving point); not with ASan,
 # which GCC does not combine with it
 INSTRUMENT_FLAGS = ("-fsanitize=thread",)

@@ -101,10 +101,13 @@ def test_qsgd_compress_decompress(emu, bits, chunk, sid):
                 acc_ref = acc.clone().add_(dref)
                 assert dispatch.qsgd_decompress_add_(q, got, ctx_for(x), acc) is acc
                 assert_same_bits(acc, acc_ref, f"decode-add n={n}")
-    fused = (chunk * bits) % 32 == 0
     names = {name for name, *_ in be.launches}
-    assert names == ({"qsgd_quantize_fused", "qsgd_dequantize"} if fused else
-                     {"chunk_absmax", "qsgd_quantize_packed", "qsgd_dequantize"})
+    if chunk % 8 == 0:
+        assert names == {"qsgd_encode_chunks", "qsgd_dequantize"}
+    elif (chunk * bits) % 32 == 0:
+        assert names == {"qsgd_quantize_fused", "qsgd_dequantize"}
+    else:
+        assert names == {"chunk_absmax", "qsgd_quantize_packed", "qsgd_dequantize"}
 
 
 @pytest.mark.parametrize("bits,chunk,dtype", [(1, 2048, torch.float32), (8, 2048, torch.bfloat16),
