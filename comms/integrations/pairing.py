@@ -249,16 +249,17 @@ def _register_fsdp(root, compressor, optimizers: Sequence, options: dict[str, An
     from .. import fsdp
 
     params = inspect.signature(fsdp.register).parameters
-    unsupported = sorted(k for k in options if k not in params)
-    if unsupported:
-        raise TypeError(f"comms.fsdp.register (FSDP2) takes no {unsupported}; it takes "
-                        f"{sorted(k for k in params if k not in ('model', 'compressor'))}")
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unsupported = sorted(k for k in options if k not in params)
+        if unsupported:
+            raise TypeError(f"comms.fsdp.register (FSDP2) takes no {unsupported}; it takes "
+                            f"{sorted(k for k in params if k not in ('model', 'compressor'))}")
     kw = dict(options)
     opts = [unwrap_optimizer(o) for o in optimizers]
     if "optimizer" in params and len(opts) == 1:
         kw["optimizer"] = opts[0]
-    elif any(_momenta(opts)):
-        logger.warning("commpress: the FSDP2 path does not take the optimizer's momentum over "
-                       "(comms.fsdp.register has no optimizer pairing here): SGD momentum %s "
-                       "stays in the optimizer", sorted(set(_momenta(opts))))
+    elif any(_momenta(opts)) and kw.get("momentum") is None:
+        raise ValueError(f"{len(opts)} optimizers with momenta {_momenta(opts)} on FSDP2: "
+                         "comms.fsdp.register pairs with one optimizer; pass momentum= and run "
+                         "the optimizers with momentum 0")
     return fsdp.register(root, compressor, **kw)

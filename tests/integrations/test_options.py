@@ -173,7 +173,24 @@ def _pairing(rank, world):
             out[name] = (str(exc), [o.param_groups[0]["momentum"] for o in opts])
     ddp, opts = model_and(0.0, 0.0)
     out["adam"] = register_paired(ddp, "sign", [torch.optim.Adam(ddp.parameters())]).momentum
+    out["fsdp2"] = _fsdp2_route(world)
     return out
+
+
+def _fsdp2_route(world):
+    """Accelerate's helper sends a fully_shard model to comms.fsdp.register; one step runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    from comms.fsdp import FSDPCompressionState
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fully_shard(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    accelerator = types.SimpleNamespace(num_processes=world)
+    state = acc_helper.register(accelerator, net, "sign", optimizer=opt, checkpoint=False)
+    net(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    return type(state) is FSDPCompressionState
 
 
 @pytest.mark.dist
@@ -185,3 +202,4 @@ def test_register_paired_takes_one_shared_momentum_or_refuses():
         msg, momenta = r["nesterov"]
         assert "nesterov=True" in msg and momenta == [0.9, 0.9]  # nothing changed
         assert r["adam"] is None
+        assert r["fsdp2"]
