@@ -203,3 +203,37 @@ def test_register_paired_takes_one_shared_momentum_or_refuses():
         assert "nesterov=True" in msg and momenta == [0.9, 0.9]  # nothing changed
         assert r["adam"] is None
         assert r["fsdp2"]
+
+
+class _SpawnNet(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        ds = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
+        return torch.utils.data.DataLoader(ds, batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_spawn_launch_brings_rank0_stats_to_the_parent():
+    strategy = CommpressDDPStrategy("sign", algorithm="allgather", start_iter=1,
+                                    start_method="spawn", process_group_backend="gloo")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(_SpawnNet())
+    assert strategy.commpress_state is None  # the ranks were child processes
+    stats = strategy.commpress_stats
+    assert stats["iter"] == 3 and stats["algorithm"] == "allgather"
+    assert stats["wire_bytes"] < stats["dense_bytes"]
+    assert "compressor=sign" in strategy.commpress_report
