@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from .pairing import check_options, find_ddp, register_model, repair_momentum, \
+from .pairing import find_ddp, register_model, repair_momentum, \
     warn_no_state
 from .rank_states import RankStates
 
@@ -82,8 +82,6 @@ def register(accelerator, model: torch.nn.Module, compressor, *, optimizer=None,
 
         >>> state = register(accelerator, model, "sign", optimizer=opt)
     """
-    if find_ddp(model) is not None:
-        check_options(compressor, options)  # before the optimizer or the model change
     state = register_model(model, compressor, _as_list(optimizer), options,
                            world_size=accelerator.num_processes, framework="Accelerate",
                            fix="commpress needs Accelerate's multi-process DDP (MULTI_CPU/"

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .pairing import check_options, find_ddp, register_model, repair_momentum, warn_no_state
+from .pairing import register_model, repair_momentum, warn_no_state
 from .rank_states import RankStates
 
 __all__ = ["register", "load", "RankStates"]
@@ -63,8 +63,6 @@ def register(fabric, model: torch.nn.Module, compressor, *, optimizer=None, **op
         TypeError / ValueError: a bad spec or option (before anything changes), or several
             processes with a strategy that wraps neither in DDP nor with ``fully_shard``.
     """
-    if find_ddp(model) is not None:
-        check_options(compressor, options)  # before the optimizer or the model change
     opts = [] if optimizer is None else \
         list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     return register_model(model, compressor, opts, options, world_size=fabric.world_size,

@@ -168,8 +168,9 @@ class CommpressDDPStrategy(DDPStrategy):
                 self._commpress_pending = None
             return
         for opt in map(unwrap_optimizer, self.optimizers):  # optimizers rebuilt on the same model
-            if state.momentum is not None and self.commpress_options["momentum"] is None:
-                take_over_momentum(opt)
+            momenta = {float(g.get("momentum", 0.0) or 0.0) for g in opt.param_groups}
+            if self.commpress_options["momentum"] is None and momenta == {state.momentum}:
+                take_over_momentum(opt)  # the momentum the hook took over at registration
             check_optimizer(state, opt)
 
     # -- checkpoints ----------------------------------------------------------------------

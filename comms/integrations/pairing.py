@@ -230,11 +230,12 @@ def register_model(model, compressor, optimizers: Sequence, options: dict[str, A
             option ``comms.fsdp.register`` does not take.
     """
     ddp = find_ddp(model)
+    root = None if ddp is not None else _fsdp2_root(model)
+    if root is not None:  # comms.fsdp.register validates its own options
+        return _register_fsdp(root, compressor, optimizers, options)
+    check_options(compressor, options)  # also on one process: the same call fails later on two
     if ddp is not None:
         return register_paired(ddp, compressor, optimizers, **options)
-    root = _fsdp2_root(model)
-    if root is not None:
-        return _register_fsdp(root, compressor, optimizers, options)
     if world_size == 1:
         warnings.warn(f"commpress: {framework} runs one process and did not wrap the model in "
                       f"DistributedDataParallel ({type(model).__name__}): nothing to communicate, "

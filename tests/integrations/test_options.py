@@ -135,6 +135,10 @@ def test_helpers_warn_on_one_process_and_name_the_fix_otherwise():
             warnings.simplefilter("always")
             assert call() is None
         assert any("one process" in str(x.message) for x in w)
+    with pytest.raises(ValueError, match="unknown algorithm 'two-phase'"):
+        acc_helper.register(one, net, TOPK, algorithm="two-phase")  # checked on one process too
+    with pytest.raises(TypeError, match="momentum must be a number"):
+        fabric_helper.register(one, net, TOPK, momentum="high")
     two = types.SimpleNamespace(num_processes=2, world_size=2, strategy=types.SimpleNamespace())
     with pytest.raises(TypeError, match="strategy='ddp'"):
         fabric_helper.register(two, net, TOPK)
