@@ -214,7 +214,7 @@ def topk_compact(x: torch.Tensor, thr: torch.Tensor, cap: int) -> tuple[torch.Te
     slots = torch.empty(max(cap, 1), dtype=torch.int32, device=x.device)
     count = torch.zeros(1, dtype=torch.int32, device=x.device)
     if n:
-        _backend.launch("topk_compact", idx, _backend.grid_for(n, idx),
+        _backend.launch("topk_compact", idx, _backend.grid_for(_groups(n), idx),
                       (x, np.int32(DTYPE_CODE[x.dtype]), _i64(n), thr.reshape(1), slots,
                        np.uint32(cap), count))
     return slots, count
