@@ -17,15 +17,26 @@ goes into ``accelerator.save_state`` (through
 :func:`load_state` loads a checkpoint with or without commpress state (without: a WARNING,
 the residuals restart from zero; ``accelerator.load_state`` itself refuses such a folder).
 
-Example::
+Example (``accelerate launch --multi_gpu --num_processes 2 train.py``; on CPU keep
+``cpu=True``)::
 
-    >>> from comms.integrations.accelerate import register, load_state
-    >>> model, opt, loader = accelerator.prepare(model, opt, loader)
-    >>> state = register(accelerator, model, "topk:density=0.01", optimizer=opt,
-    ...                  algorithm="allgather")
-    >>> ...
-    >>> accelerator.save_state("ckpt")      # every rank's commpress state included
-    >>> load_state(accelerator, "ckpt")
+    import torch
+    from accelerate import Accelerator
+    from comms.integrations.accelerate import load_state, register
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    state = register(accelerator, model, "topk:density=0.01", optimizer=opt, algorithm="allgather")
+    g = torch.Generator().manual_seed(accelerator.process_index)
+    for step in range(40):
+        x = torch.randn(32, 64, generator=g)
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
+            opt.step(); opt.zero_grad()
+    accelerator.save_state("ckpt")          # every rank's commpress state included
+    accelerator.wait_for_everyone()
+    load_state(accelerator, "ckpt")
 """
 
 from __future__ import annotations

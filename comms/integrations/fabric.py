@@ -15,16 +15,27 @@ Checkpoints: put ``RankStates(state)`` in the state given to ``fabric.save`` (it
 every rank's residuals; ``fabric.save`` runs on every rank) and load with :func:`load`, which
 also accepts a checkpoint without it (a WARNING: the residuals restart from zero).
 
-Example::
+Example (``python train.py``: Fabric starts rank 1 by running the file again)::
 
-    >>> from lightning.fabric import Fabric
-    >>> from comms.integrations.fabric import register, load, RankStates
-    >>> fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp"); fabric.launch()
-    >>> model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), 0.05, momentum=0.9))
-    >>> state = register(fabric, model, "topk:density=0.01", optimizer=opt, algorithm="allgather")
-    >>> ckpt = {"model": model, "optimizer": opt, "commpress": RankStates(state)}
-    >>> fabric.save("ckpt.pt", ckpt)
-    >>> load(fabric, "ckpt.pt", ckpt)
+    import torch
+    from lightning.fabric import Fabric
+    from comms.integrations.fabric import RankStates, load, register
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    state = register(fabric, model, "topk:density=0.01", optimizer=opt, algorithm="allgather")
+    g = torch.Generator().manual_seed(fabric.global_rank)
+    for step in range(20):
+        for micro in range(2):  # 2-step gradient accumulation
+            x = torch.randn(32, 64, generator=g)
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)) / 2)
+        opt.step(); opt.zero_grad()
+    ckpt = {"model": model, "optimizer": opt, "commpress": RankStates(state)}
+    fabric.save("fabric.ckpt", ckpt)
+    load(fabric, "fabric.ckpt", ckpt)
 """
 
 from __future__ import annotations

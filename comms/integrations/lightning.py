@@ -30,16 +30,33 @@ parent's ``commpress_state`` stays ``None`` and ``strategy.commpress_report`` /
 ``strategy.commpress_stats`` hold rank 0's report and :func:`~comms.integrations.pairing.summary`
 after ``fit``. :class:`~comms.integrations.callback.CommpressStatsCallback` logs the stats.
 
-Example::
+Example (``python train.py`` on one CPU machine: Lightning starts rank 1 by running the file
+again)::
 
-    >>> import lightning as L
-    >>> from comms.integrations.lightning import CommpressDDPStrategy
-    >>> from comms.integrations.callback import CommpressStatsCallback
-    >>> strategy = CommpressDDPStrategy("topk:density=0.01", algorithm="allgather")
-    >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=50,
-    ...                     callbacks=[CommpressStatsCallback()])
-    >>> trainer.fit(model)          # model.configure_optimizers: SGD(lr, momentum=0.9)
-    >>> print(strategy.commpress_report)
+    import lightning as L, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from comms.integrations.callback import CommpressStatsCallback
+    from comms.integrations.lightning import CommpressDDPStrategy
+
+    class Regressor(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                           torch.nn.Linear(256, 1))
+        def training_step(self, batch, _):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        def configure_optimizers(self):  # its momentum moves into the hook
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    if __name__ == "__main__":
+        x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+        loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
+        strategy = CommpressDDPStrategy("topk:density=0.01", algorithm="allgather")
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2,
+                            callbacks=[CommpressStatsCallback()])
+        trainer.fit(Regressor(), loader)
+        if trainer.global_rank == 0:
+            print(strategy.commpress_report)
 """
 
 from __future__ import annotations
