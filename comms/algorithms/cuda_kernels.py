@@ -60,8 +60,8 @@ def two_phase_qsgd_owner(compressor, recv, world, m, ctx2, residual_in=None, res
     bits, chunk = compressor.bits, compressor.chunk
     nch = -(-m // chunk)
     seg = 4 * nch + (m * bits + 7) // 8
-    if recv.dtype != torch.uint8 or recv.numel() != world * seg or (chunk * bits) % 32:
-        return None
+    if recv.dtype != torch.uint8 or recv.numel() != world * seg or chunk % 8:
+        return None  # the kernel encodes whole groups of 8 per chunk (torch path otherwise)
     extra = [t for t in (residual_in, residual_out) if t is not None]
     if any(t.dtype != torch.float32 or t.numel() != m for t in extra) or not dispatch.enabled_for(recv, *extra):
         return None

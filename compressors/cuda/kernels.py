@@ -256,16 +256,16 @@ def shared_scale_decode(q: torch.Tensor, chunk: int, step: torch.Tensor, dtype: 
 
 
 def two_phase_shared_mem(chunk: int, world: int) -> int:
-    """Dynamic shared memory of :func:`two_phase_qsgd_owner` (see :func:`two_phase_fits`)."""
-    return 4 * (chunk + 2 * world)
+    """Dynamic shared memory of :func:`two_phase_qsgd_owner`: the senders' scale and step per
+    rank (the owner sum stays in registers, so ``chunk`` does not count)."""
+    return 8 * world
 
 
 def two_phase_fits(chunk: int, world: int, index: int) -> bool:
     """True when :func:`two_phase_qsgd_owner`'s block fits the 48 KiB a launch gets without an
     opt-in attribute: the dynamic part (:func:`two_phase_shared_mem`) PLUS the kernel's static
     shared memory (``block_reduce_max_nan``'s slots, 144 B on current GPUs) as the compiled
-    kernel reports it. Counting only the dynamic part let e.g. bits 8, chunk 12280, world 4
-    (exactly 48 KiB dynamic) through to a launch failure with no torch fallback."""
+    kernel reports it (a launch over the limit fails with no torch fallback)."""
     static = _backend.static_shared_bytes("two_phase_qsgd_owner", index)
     return two_phase_shared_mem(chunk, world) + static <= _SHARED_MEM_LIMIT
 
@@ -276,7 +276,7 @@ def two_phase_qsgd_owner(recv: torch.Tensor, world: int, m: int, bits: int, chun
     """Owner step of two-phase QSGD: decode-sum ``world`` wire payloads, re-quantize.
 
     Returns the owner payload ``[scales, packed]``; writes ``residual_out = y - decode`` when
-    given. Needs ``(chunk * bits) % 32 == 0`` and :func:`two_phase_fits`.
+    given. Needs ``chunk % 8 == 0`` and :func:`two_phase_fits`.
     """
     idx = _dev(recv)
     nch = -(-m // chunk)

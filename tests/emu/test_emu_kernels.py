@@ -403,7 +403,7 @@ def _owner_reference_cpu(q, recv, layout, nb, world, ctx, owner, residual):
 
 
 @pytest.mark.parametrize("sid", SHAPE_IDS)
-@pytest.mark.parametrize("bits,chunk", [(1, 2048), (2, 64), (4, 1000), (8, 100)])
+@pytest.mark.parametrize("bits,chunk", [(1, 2048), (2, 64), (4, 1000), (8, 104)])
 def test_two_phase_owner(emu, bits, chunk, sid):
     be = emu(**shape(sid))
     q = compressors.QSGD(bits=bits, chunk=chunk)
@@ -434,15 +434,18 @@ def test_two_phase_owner(emu, bits, chunk, sid):
 
 
 def test_two_phase_owner_shared_memory_limit_counts_static(emu):
-    """bits 8, chunk 12280, world 4: 48 KiB of dynamic shared memory exactly, plus the 144 B of
-    static: over the limit, so dispatch declines (torch path) instead of a failing launch;
-    chunk 12240 fits."""
+    """The owner sum stays in registers: the block's shared memory is 8 B per rank (scale and
+    step) plus the 144 B of static; world 6126 fits the 48 KiB exactly, 6127 does not, so
+    dispatch declines (torch path) instead of a failing launch. A chunk that is not a multiple
+    of 8 is declined too (the kernel encodes whole groups of 8 per chunk)."""
     be = emu()
-    ctx2 = compressors.Context(numel=12280, dtype=torch.float32)
-    for chunk, fits in [(12280, False), (12240, True)]:
-        q = compressors.QSGD(bits=8, chunk=chunk)
-        m = chunk
-        recv = torch.zeros(4 * (4 + m), dtype=torch.uint8)
-        out = alg_cuda.two_phase_qsgd_owner(q, recv, 4, m, ctx2.with_(numel=m))
-        assert (out is not None) == fits, chunk
-    assert [(n, s) for n, _, _, s in be.launches] == [("two_phase_qsgd_owner", 4 * (12240 + 8))]
+    q = compressors.QSGD(bits=8, chunk=8)
+    m = 8
+    for world, fits in [(6127, False), (6126, True)]:
+        recv = torch.zeros(world * (4 + m), dtype=torch.uint8)
+        ctx2 = compressors.Context(numel=m, dtype=torch.float32)
+        out = alg_cuda.two_phase_qsgd_owner(q, recv, world, m, ctx2)
+        assert (out is not None) == fits, world
+    assert [(n, s) for n, _, _, s in be.launches] == [("two_phase_qsgd_owner", 8 * 6126)]
+    assert alg_cuda.two_phase_qsgd_owner(compressors.QSGD(bits=8, chunk=100), torch.zeros(2 * (4 + 100), dtype=torch.uint8),
+                                         2, 100, compressors.Context(numel=100, dtype=torch.float32)) is None
