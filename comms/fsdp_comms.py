@@ -10,8 +10,10 @@
   group, the module's output shard goes through the pipeline and a flat algorithm across the
   replicate group (``set_all_reduce_hook``).
 
-Both are synchronous (FSDP reads the output right after the call); every wait is bounded by
-the timeout (``comms.CollectiveTimeout`` names the module, step and rank). Units: FSDP sums
+Both are synchronous (FSDP reads the output right after the call); every wait of theirs is
+bounded by the timeout (``comms.CollectiveTimeout`` names the module, step and rank). FSDP's
+own collectives (the parameter all-gathers; HSDP's reduce-scatter inside the shard group) are
+bounded by the process group's timeout only. Units: FSDP sums
 and divides afterwards by the module's divide factor, so the pipeline runs on the summed
 units (``div`` 1) and the clip limit is scaled to them (``state.clip_limit``).
 """
@@ -27,7 +29,7 @@ from compressors import Context
 
 from .algorithms import DENSE, get_algorithm
 from .algorithms.two_phase import decode_sum, scatter_send
-from .deadline import wait
+from .deadline import clean_message, failure, wait
 from .errors import where
 from .pipeline import Delivery, feed_, local_flagged, nonfinite_flag, settle_, warm_step_goes_dense
 from .stats import dense_wire_bytes, record_call
@@ -76,7 +78,15 @@ class _ModuleStep:
         step = st.begin(idx, comm, x)
         route, k = self._route(comm, step)
         t0 = time.perf_counter()
-        run(comm, x, step, route)
+        try:
+            run(comm, x, step, route)
+        except (RuntimeError, IndexError, OverflowError) as exc:
+            # a collective issued here failed at once (a dead peer), or what a broken one handed
+            # back does not decode: the error names the module, step and rank
+            if clean_message(exc).startswith("commpress:"):
+                raise
+            raise failure(where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} {route} call",
+                                idx, x.numel(), x.dtype, step), exc) from None
         if st.tuner is not None and step >= st.start_iter:
             st.tuner.record(idx, k, route, time.perf_counter() - t0)
         st.steps[idx] = step + 1

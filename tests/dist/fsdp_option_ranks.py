@@ -1,0 +1,180 @@
+"""Rank bodies for the FSDP2 / HSDP option-parity tests (module level so ``spawn`` pickles them).
+
+Every ``register`` option on both modes: optimizer pairing, warm-up, clipping, residual bound,
+a parameter without a gradient, replica checks, ``auto``, and a stuck or killed peer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import comms
+from comms.fsdp import CompressedReduceScatter, FSDPCompressionState, ReplicateAllReduce
+from dist.fsdp_ranks import full_params, local_shards, make_model, shard_model, steps
+
+
+class SometimesUnused(nn.Module):
+    """The test MLP plus an output bias that gets no gradient on odd steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.bias = nn.Parameter(torch.zeros(10))
+        self.step = 0
+
+    def forward(self, x):
+        out = self.body(x)
+        return out if self.step % 2 else out + self.bias
+
+
+def _mesh(mode: str, world: int):
+    if mode == "fsdp":
+        return init_device_mesh("cpu", (world,)), None
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return mesh["shard"], mesh.get_group("replicate")
+
+
+def _build(mode, world, spec, momentum=0.0, **kw):
+    mesh, rg = _mesh(mode, world)
+    torch.manual_seed(0)
+    model = shard_model(make_model(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    state = None
+    if spec is not None:
+        state = comms.fsdp.register(model, spec, replicate_group=rg, optimizer=opt, **kw)
+    return model, opt, state
+
+
+def _shard_unused(model: SometimesUnused, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    shard_model(model.body, mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def pairing_and_routes(rank, world, mode):
+    """Optimizer pairing, warm-up routes, clipping and replica checks on one mode."""
+    out = {}
+    # optimizer pairing: SGD momentum becomes the pipeline's; identity then trains as SGD momentum
+    model, opt, state = _build(mode, world, "identity", momentum=0.9)
+    out["opt_momentum"], out["state_momentum"] = opt.param_groups[0]["momentum"], state.momentum
+    steps(model, opt, rank, 0, 6)
+    out["paired"] = full_params(model)
+    # the reference: the identity path with the momentum left in the optimizer (bitwise plain
+    # FSDP2 / native HSDP: tests/dist/test_fsdp.py)
+    mesh, rg = _mesh(mode, world)
+    torch.manual_seed(0)
+    model = shard_model(make_model(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    comms.fsdp.register(model, "identity", replicate_group=rg)
+    steps(model, opt, rank, 0, 6)
+    out["plain"] = full_params(model)
+    # warm-up: top-k's default ramp sends the first compressed calls dense
+    model, opt, state = _build(mode, world, "topk:density=0.01", check_replicas_every=3)
+    routes = []
+    for s in range(8):
+        steps(model, opt, rank, s, s + 1)
+        routes.append(state.stats[0].algorithm)
+    out["routes"], out["checks"] = routes, state.replica_guard.checks
+    # clipping: every module's averaged gradient has norm <= clip_norm, so one SGD step (lr
+    # 0.05, no momentum) moves the parameters by at most 0.05 * clip_norm * modules
+    model, opt, state = _build(mode, world, "identity", clip_norm=1e-3)
+    before = full_params(model)
+    steps(model, opt, rank, 0, 1)
+    out["clip_move"] = float((full_params(model) - before).norm())
+    out["modules"] = len(state.modules)
+    return out
+
+
+def unused_parameter(rank, world, mode):
+    """A parameter without a gradient on odd steps: residuals keep their layout."""
+    mesh, rg = _mesh(mode, world)
+    torch.manual_seed(0)
+    model = _shard_unused(SometimesUnused(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = comms.fsdp.register(model, "topk:density=0.1", replicate_group=rg, optimizer=opt,
+                                warmup_steps=0)
+    sizes = []
+    for s in range(6):
+        model.step = s
+        steps(model, opt, rank, s, s + 1)
+        root = state.modules.index("")
+        sizes.append(state.memory.residuals[root].numel())
+    return {"resets": state.memory.layout_resets, "sizes": sizes, "report": state.report()}
+
+
+def auto_decisions(rank, world, mode):
+    """``algorithm="auto"``: every module decides, the same on every rank; replicas stay equal."""
+    model, opt, state = _build(mode, world, "sign", algorithm="auto")
+    losses = []
+    steps(model, opt, rank, 0, state.tuner.decide_at + 3, losses)
+    dec = [state.tuner.decision.get(i) for i in range(len(state.modules))]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, dec)
+    return {"decisions": everyone, "losses": losses, "local": local_shards(model),
+            "sd": state.state_dict()["tuner"]}
+
+
+def direct_bound(rank, world, bound):
+    """The residual bound on both adapters, called directly: ``|r| <= bound * |x|``."""
+    out = {}
+    g = torch.Generator().manual_seed(rank)
+    for mode in ("fsdp", "hsdp"):
+        kw = {"replicate_group": dist.group.WORLD} if mode == "hsdp" else {}
+        st = FSDPCompressionState("randomk:density=0.2", residual_bound=bound, warmup_steps=0, **kw)
+        st.modules, st.divide_factors = ["m"], [float(world)]
+        ratios = []
+        for call in range(6):
+            x = torch.randn(world * 40, generator=g)
+            fresh = float(x.norm())
+            if mode == "fsdp":
+                CompressedReduceScatter(st, 0)(torch.empty(40), x, None, dist.ReduceOp.SUM)
+            else:
+                ReplicateAllReduce(st, 0)(x)
+            ratios.append(float(st.memory.residuals[0].norm()) / fresh)
+        out[mode] = ratios
+    return out
+
+
+def stuck_peer(rank, world, mode, how, stamp_dir):
+    """The last rank stops (SIGSTOP) or dies (SIGKILL) inside backward at step 3; every
+    survivor's backward must raise within the timeout with commpress's message."""
+    model, opt, state = _build(mode, world, "sign", timeout=3.0)
+    victim = world - 1
+    armed = {"on": False}
+
+    def fault(grad):  # on the last layer's output gradient: before its reduce-scatter
+        if armed["on"] and rank == victim:
+            with open(os.path.join(stamp_dir, "victim"), "w") as f:
+                f.write(f"{os.getpid()} {time.time()}")
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+        return grad
+
+    def on_output(_m, _i, out):
+        out.register_hook(fault)
+
+    model[-1].register_forward_hook(on_output)
+    steps(model, opt, rank, 0, 3)
+    armed["on"] = True
+    t0, err = time.time(), None
+    try:
+        steps(model, opt, rank, 3, 4)
+    except Exception as exc:  # noqa: BLE001 - what the user sees is the result
+        err = f"{type(exc).__name__}: {exc}"
+    took = time.time() - t0
+    open(os.path.join(stamp_dir, f"done{rank}"), "w").close()
+    deadline = time.time() + 30
+    while time.time() < deadline and len([f for f in os.listdir(stamp_dir) if f.startswith("done")]) < world - 1:
+        time.sleep(0.1)  # no survivor leaves before every survivor raised on its own
+    if rank == 0 and how == "stop":
+        pid = int(open(os.path.join(stamp_dir, "victim")).read().split()[0])
+        os.kill(pid, signal.SIGKILL)
+    return {"err": err, "seconds": took}
