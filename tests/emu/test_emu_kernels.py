@@ -4,8 +4,9 @@ The launchers of compressors/cuda/kernels.py and the routing of compressors/cuda
 run unchanged (the emulator is plugged in as the launch backend, dispatch accepts CPU
 tensors), so the arguments and launch shapes are the production ones; the launch shapes are
 then varied: the launchers' own grid, one block, many more blocks than chunks / work, and a
-few blocks so that every grid-stride loop iterates; blocks of 256 and of 32 or 1024 threads;
-in-order and shuffled schedules. The oracles are those of tests/gpu/test_kernels_bitexact.py:
+few blocks so that every grid-stride loop iterates; blocks of 256 and of 32, 64 or 1024
+threads; in-order and shuffled schedules, and an interleaved one (scheduling points at memory
+accesses, three blocks at once on a worker). The oracles are those of tests/gpu/test_kernels_bitexact.py:
 the CPU torch reference of each compressor / algorithm.
 
 Sizes {0, 1, 31, 32, 33, 1000, 65543, 10^6} (10^6 in a few cases only, to stay within the
@@ -42,6 +43,8 @@ SHAPES = [
     ("one-block", {"grid": "one"}),
     ("many-blocks", {"grid": "many", "seed": 11}),
     ("few-blocks", {"grid": "few", "block": 32, "seed": 5}),
+    # scheduling points at a quarter of the memory accesses, three blocks interleaved per worker
+    ("interleaved", {"block": 64, "seed": 17, "interleave": 0.25, "resident": 3}),
 ]
 SHAPE_IDS = [s for s, _ in SHAPES]
 
