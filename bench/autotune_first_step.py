@@ -10,8 +10,8 @@ block's other steps)`` over the rounds after the first, with its standard error.
 
 Example::
 
-    python bench/autotune_first_step.py -n 2 --netsim 10gbit --spec qsgd:bits=4 \\
-        --out bench/results/autotune_first_step_10gbit_s19
+    python bench/autotune_first_step.py -n 2 --netsim 10gbit --spec qsgd:bits=4
+    # writes bench/results/autotune_first_step_10gbit.md
 """
 
 from __future__ import annotations
@@ -99,6 +99,12 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=3, help="steps per rule per round")
     p.add_argument("--budget", type=int, default=120, help="steps of the trial phase")
     args = p.parse_args(argv)
+    if args.command is None:  # what the user typed, before the default below is made explicit
+        args.command = launching.shell_command(argv)
+        argv = [*argv, "--command", args.command]
+    if args.out is None:  # ddp_step's --out: here OUT.md only
+        args.out = os.path.join(harness.RESULTS, f"autotune_first_step_{args.netsim or 'unshaped'}")
+        argv = [*argv, "--out", args.out]
     return launching.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 

@@ -21,8 +21,8 @@ Cases on ``--n`` fp32 values (default 25M = 100 MB):
 
 Usage::
 
-    python bench/compressor_speed.py                      # print the table
-    python bench/compressor_speed.py --out bench/results/compressors.md
+    python bench/compressor_speed.py                      # print it, write bench/results/compressors.md
+    python bench/compressor_speed.py --out ''             # print only
 """
 
 from __future__ import annotations
@@ -183,7 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=float, default=25e6, help="fp32 values (default 25e6)")
     ap.add_argument("--reps", type=int, default=7, help="repetitions per case (median)")
     ap.add_argument("--only", default="", help="comma-separated case names (copy always runs)")
-    ap.add_argument("--out", default="", help="also write a markdown report here")
+    ap.add_argument("--out", default=os.path.join(harness.RESULTS, "compressors.md"),
+                    help="also write a markdown report here (default bench/results/compressors.md; "
+                         "'' for none)")
     ap.add_argument("--threads", default="1", help="comma-separated torch thread counts, "
                     "each a full table (default 1)")
     ap.add_argument("--no-lock", action="store_true", help=f"do not wait for {BENCH_LOCK}")

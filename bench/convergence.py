@@ -2,11 +2,11 @@
 
 * ``digits``: an MLP on scikit-learn's 8x8 digits (ships with scikit-learn; no download),
   SGD with momentum; the loss is the cross-entropy on the whole training split.
-* ``oddconv`` (issue 17, the momentum task): an embedding + conv + LayerNorm model of odd
+* ``oddconv`` (the momentum task): an embedding + conv + LayerNorm model of odd
   shapes (the replica tests' OddNet), SGD lr 0.05 **momentum 0.9**, tiny DDP buckets
   (0.01 MB), labels from a fixed random teacher of the same architecture (8192 training
-  sequences); the loss is the cross-entropy on 1024 held-out sequences. Error feedback meeting SGD momentum diverged
-  here before issue 17.
+  sequences); the loss is the cross-entropy on 1024 held-out sequences. Error feedback meeting SGD momentum left in
+  the optimizer diverges here.
 * ``charlm``: a small character-level transformer trained on the Python standard library's
   own ``.py`` files (read from ``sysconfig.get_paths()["stdlib"]``), AdamW; the loss is the
   cross-entropy on a fixed held-out set of sequences.
@@ -14,7 +14,7 @@
 Our hooks are registered the default way, ``comms.register(ddp, spec, optimizer=opt)``: with
 SGD momentum the hook takes the momentum over (momentum correction) and the optimizer runs
 with momentum 0; ``--pairing none`` registers without the optimizer (the optimizer keeps its
-momentum; the pre-issue-17 behaviour). Every hook trains from the same initial weights on the same data in the same order (fixed
+momentum, so error feedback meets it). Every hook trains from the same initial weights on the same data in the same order (fixed
 seeds; each rank takes its own slice of every global batch). The final loss is the mean of the
 last ``--tail`` evaluations, and its ratio to dense is printed next to the targets.
 
@@ -52,13 +52,13 @@ __all__ = ["TASKS", "TARGETS", "target_for", "load_stdlib_text", "main"]
 
 logger = logging.getLogger(__name__)
 
-# every compressor also on its defaults (algorithm "auto"), issue 17
+# every compressor also on its defaults (algorithm "auto")
 AUTO_SPECS = ("qsgd:bits=8", "qsgd:bits=4", "powersgd:rank=1", "topk:density=0.01,exact=false",
               "sign", "randomk:density=0.01")
 
-# final-loss ratio to dense that each kind of hook should stay within (issue 7)
+# final-loss ratio to dense that each kind of hook should stay within
 TARGETS = (("topk", 1.03), ("qsgd8", 1.01), ("qsgd4", 1.02), ("sign", 1.05))
-# issue 17's targets on the momentum task (>= 500 steps, SGD momentum 0.9)
+# the targets on the momentum task (>= 500 steps, SGD momentum 0.9)
 TARGETS_ODDCONV = (("topk", 1.05), ("qsgd4", 1.02), ("sign", 1.05), ("randomk", 1.3))
 
 
@@ -213,7 +213,7 @@ class OddConvTask:
     name = "oddconv"
     default_steps = 500
     n_train, n_eval = 8192, 1024  # ~2 epochs in 500 steps: the loss stays well above zero
-    bucket_cap_mb = 0.01  # tiny buckets: many small, odd-shaped ones (the issue's setting)
+    bucket_cap_mb = 0.01  # tiny buckets: many small, odd-shaped ones
 
     def __init__(self, args):
         g = torch.Generator().manual_seed(7)
@@ -441,7 +441,7 @@ def rank_main(rank: int, world: int, args):
     return rows
 
 
-# -- time to quality (issue 17's must-show, the headline measure) ----------------------------
+# -- time to quality (the headline measure) ---------------------------------------------------
 # the run's default hooks: dense, torch's two, every default(...) row, two labelled pinned rows
 TTQ_HOOKS = "torch-psgd-r1,torch-fp16,default(,topk1%+ef@allgather,sign+ef@allgather"
 TTQ_COLUMNS = ["hook", "path", "algorithm", "tuned", "steps", "stop", "wall_s", "step_ms", "loss_ratio",
@@ -646,7 +646,7 @@ def _write(args, rows, curves, cols, skipped, world, steps) -> None:
           f"every hook): {', '.join(f'{t} {n}' for t, n in steps.items())}; fixed seeds, the same data "
           f"order for every hook; loss evaluated every {args.eval_every} steps (digits: the whole "
           f"training split; charlm: 64 held-out sequences of the stdlib's source); final = mean of "
-          f"the last {args.tail} evaluations. ratio = final / dense final; target from issue 7.", ""]
+          f"the last {args.tail} evaluations. ratio = final / dense final; target: the ratio each kind of hook should stay within.", ""]
     md += [f"Skipped: {what} — {why}" for what, why in skipped] + [""]
     md.append(tables.format_table(rows, cols, markdown=True))
     md += [""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs]

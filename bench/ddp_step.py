@@ -203,7 +203,7 @@ class StepRunner:
             cap = max(cap, args.one_bucket_mb)
         self.ddp = DDP(self.model, bucket_cap_mb=cap)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-3, momentum=0.9)
-        # our hooks take SGD's momentum over (momentum correction, issue 17): the default way
+        # our hooks take SGD's momentum over (momentum correction): the default way
         pairing = pairing or getattr(args, "pairing", "optimizer")
         self.state = hooks.attach_hook(self.ddp, cfg, start_iter=args.start_iter,
                                        optimizer=self.opt if pairing == "optimizer" else None)
@@ -384,7 +384,7 @@ def measure_floor(args, rank: int, world: int) -> dict:
 
 
 def measure_pairing(cfg, args, rank: int, world: int) -> list[dict]:
-    """The cost of handing the optimizer to the hook (issue 17's momentum correction, masking):
+    """The cost of handing the optimizer to the hook (momentum correction, masking):
     ``args.pairing_rounds`` interleaved pairs (paired, unpaired, paired, ...), each a fresh
     :func:`measure`; one row each, named ``cfg.name [optimizer]`` / ``[none]`` (the median over
     rounds), the first with ``pair_ratio``: the median over rounds of paired step / unpaired
@@ -551,7 +551,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="HOOK[,HOOK]",
                    help="print a torch.profiler table of one measured step of these hooks")
     p.add_argument("--out", default=None,
-                   help="write OUT.md and OUT.csv (e.g. bench/results/ddp_step_mlp_1gbit)")
+                   help="write OUT.md and OUT.csv (default bench/results/ddp_step_<link>, <link> the "
+                        "--netsim rate or 'unshaped'; '' for none)")
     p.add_argument("--json", default=None, help="write the rows as JSON (used by sweep.py)")
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
@@ -570,6 +571,12 @@ def main(argv: list[str] | None = None):
         for what, why in skipped:
             print(f"# skipped {what}: {why}")
         return None
+    if args.command is None:  # what the user typed, before the default below is made explicit
+        args.command = launching.shell_command(argv)
+        argv = [*argv, "--command", args.command]
+    if args.out is None:
+        args.out = os.path.join(harness.RESULTS, f"ddp_step_{args.netsim or 'unshaped'}")
+        argv = [*argv, "--out", args.out]
     return launching.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 

@@ -147,7 +147,7 @@ def job_cost(rank, world, args, topo):
     # all within 30% is reported (every rank holds the same model and the same max-over-ranks
     # measurements, so every rank takes the same branch); "attempts" says how many it took.
     # 5, not 3: a load burst during one round's 128 KiB probe ops fits a latency twice the
-    # real one (CI, s20: alpha 15.97 ms against 256 KiB ops of 8.63 ms, three rounds in a row)
+    # real one (measured in CI: alpha 15.97 ms against 256 KiB ops of 8.63 ms, three rounds in a row)
     for attempt in range(1, 6):
         model = CostModel.probe(comm, [compressors.from_spec("fp16")])
         measured = []

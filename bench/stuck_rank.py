@@ -1,4 +1,4 @@
-"""Stuck / dead rank table (issue 18): seconds until each survivor's ``backward()`` raises.
+"""Stuck / dead rank table: seconds until each survivor's ``backward()`` raises.
 
 Runs every case of ``tests/dist/stuck_ranks.py`` (each algorithm, ``auto`` before, during and
 after tuning) with one of 3 gloo ranks SIGSTOPped and SIGKILLed at a seeded step and point,

@@ -50,7 +50,7 @@ def run_rate(rate: str | None, args) -> dict:
         path = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, script, "-n", str(args.nprocs), "--model", args.model,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-               "--json", path, "--no-lock", "--no-progress", "--no-codec"]
+               "--json", path, "--out", "", "--no-lock", "--no-progress", "--no-codec"]
         for flag, v in (("--width", args.width), ("--depth", args.depth), ("--hooks", args.hooks)):
             if v is not None:
                 cmd += [flag, str(v)]

@@ -198,7 +198,7 @@ def test_step_times_replay_through_the_autotuner(tmp_path):
     js = tmp_path / "t.json"
     _run(["bench/ddp_step.py", "-n", "2", "--width", "512", "--depth", "3", "--steps", "12",
           "--warmup", "3", "--hooks", "qsgd8@allgather,qsgd8@two_phase", "--interleave", "2",
-          "--no-floor", "--no-codec", "--no-lock", "--no-progress", "--json", str(js)])
+          "--no-floor", "--no-codec", "--no-lock", "--no-progress", "--json", str(js), "--out", ""])
     rows = {r["hook"]: r for r in json.loads(js.read_text())["rows"]}
     assert [len(rows[h]["times_ms"]) for h in ("dense", "qsgd8@allgather")] == [12, 12]
     assert min(rows["dense"]["times_ms"]) > 0

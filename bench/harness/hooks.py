@@ -60,11 +60,11 @@ OURS = (
     ("powersgd:rank=1", None, "first"),
     ("powersgd:rank=4", None, "first"),
 )
-# compressors given to the cost-model planner (``algorithm="auto"``, issue 4): it picks dense
+# compressors given to the cost-model planner (``algorithm="auto"``): it picks dense
 # or a compressed algorithm per bucket, so it should never be much slower than dense
 AUTO_SPECS = ("qsgd:bits=8", "powersgd:rank=1", "topk:density=0.01,exact=false")
 AUTO_ALGORITHMS = ("auto",)
-# the default path: each compressor's spec as a user writes it, nothing else set (issue 11/12)
+# the default path: each compressor's spec as a user writes it, nothing else set
 DEFAULT_SPECS = ("qsgd:bits=8", "qsgd:bits=4", "topk:density=0.01", "sign", "randomk:density=0.01",
                  "powersgd:rank=1", "fp16")
 
@@ -190,7 +190,7 @@ def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2, o
     """Register ``cfg`` on a fresh DDP wrapper; returns the hook state (``None`` for dense).
 
     ``optimizer``: given to ``comms.register`` for our hooks (it takes SGD momentum over:
-    momentum correction, issue 17); torch's hooks leave it alone. ``hook_kwargs`` go to
+    momentum correction); torch's hooks leave it alone. ``hook_kwargs`` go to
     ``comms.register`` (e.g. ``warmup_steps``)."""
     if cfg.kind == "dense":
         return None
