@@ -168,3 +168,10 @@ def test_asan_sees_an_out_of_bounds_tail_write(emu_build):
                                  "for (int j = 0; j < 4 && b + j <= nbytes; ++j) packed[b + j]"), "pack-tail")
     assert r.returncode == 66 and "AddressSanitizer" in r.stderr and "WRITE of size 1" in r.stderr, \
         r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_asan_sees_the_topk_capacity_overflow(emu_build):
+    # slot == cap written one past the candidate buffer (torch's own allocation: a heap redzone)
+    r = _asan(emu_build, altered("topk.cu", "if (slot < cap) cand[slot]", "if (slot <= cap) cand[slot]"), "all")
+    assert r.returncode == 66 and "heap-buffer-overflow" in r.stderr and "WRITE of size 4" in r.stderr, \
+        r.stdout[-2000:] + r.stderr[-4000:]
