@@ -11,13 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compressors import Compressor, ErrorFeedback
+from compressors import Compressor
 
 from .algorithms import DENSE, get_algorithm
 from .checkpoint import hash64, plain, to_device
 from .communicator import TorchCommunicator
 from .config_check import ConfigCheck
 from .fsdp_tuner import ModuleTuner
+from .local_memory import LocalMemory
 from .options import OPTION_FIELDS, OptionsView, PipelineOptions
 
 __all__ = ["FSDPCompressionState", "FSDP_CONFIG_FIELDS", "HSDP_ALGORITHMS"]
@@ -96,7 +97,7 @@ class FSDPCompressionState(OptionsView):
         self.mode = "fsdp" if replicate_group is None else "hsdp"
         self.algorithm = _check_algorithm(self.compressor, self.mode, algorithm)
         self.replicate_group = replicate_group
-        self.memory = ErrorFeedback()            # module index -> residual, velocity
+        self.memory = LocalMemory()              # module index -> residual, velocity
         self.algo_store: dict[int, dict] = {}    # HSDP: the algorithm's per-module store
         self.steps: dict[int, int] = {}          # module index -> calls so far (the RNG step)
         self.modules: list[str] = []             # module index -> fqn

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compressors import Compressor, ErrorFeedback
+from compressors import Compressor
 
 from .algorithms import ALGORITHMS, get_algorithm
 from .checkpoint import hash64, plain, to_device
 from .communicator import Communicator, TorchCommunicator
 from .config_check import ConfigCheck
 from .layouts import LayoutTracker
+from .local_memory import LocalMemory
 from .options import OPTION_FIELDS, OptionsView, PipelineOptions
 from .stats import BucketStats
 from .step_flags import StepFlags
@@ -147,7 +148,7 @@ class CompressionState(OptionsView):
                                                          autotune_steps)
         self.process_group = process_group
         self.communicator = communicator
-        self.memory = ErrorFeedback()
+        self.memory = LocalMemory()
         self.iter = 0
         self.min_compress_numel = min_compress_numel
         self.stats: dict[int, BucketStats] = {}

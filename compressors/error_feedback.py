@@ -1,23 +1,16 @@
-"""``ErrorFeedback``: per-bucket residual memory, ``r <- (g + r) - D(C(g + r))``, and the
-local velocity of Deep Gradient Compression's momentum correction.
+"""``ErrorFeedback``: per-bucket residual memory, ``r <- (g + r) - D(C(g + r))``.
 
-Momentum correction (Lin et al., ICLR'18): with SGD momentum ``m`` moved from the optimizer
-into the hook, each rank keeps a velocity ``u <- m u + g`` and compresses ``u + r`` instead
-of ``g + r``; the optimizer then runs with momentum 0. Momentum factor masking zeroes ``u``
-where the compressor sent a value (sparsifiers; :meth:`ErrorFeedback.mask_velocity_`, DGC's
-rule), so a coordinate's stale momentum does not keep pushing after its accumulated mass went
-out; given the aggregate, the same method zeroes it only where the aggregate held back what was
-sent (the hook's default, "held"). Both are per rank and per bucket, in the units
-the hook compresses (already divided by the world size); everything here runs before the
-collective or on this rank's own decoded payload, so it is private arithmetic
-(comms/ARCHITECTURE.md §5).
+Residuals are per rank and per bucket, in the units the caller compresses; everything here
+runs before the collective or on this rank's own decoded payload, so it is private
+arithmetic (comms/ARCHITECTURE.md §5). The training policies that act on the same memory
+(momentum correction, momentum masking, the residual drain) live in
+:mod:`comms.local_memory`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Sequence
 
 import torch
 
@@ -26,7 +19,7 @@ from .base import Compressor
 from .context import Context
 from .deferred import Deferred
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "kernel_lib", "load_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +33,10 @@ class ErrorFeedback:
     world size).
     """
 
-    __slots__ = ("residuals", "velocities", "last_amax", "draining", "layout_resets")
+    __slots__ = ("residuals", "last_amax", "layout_resets")
 
     def __init__(self):
         self.residuals: dict[int, torch.Tensor] = {}
-        #: bucket -> dense steps left to drain its residual in (see :meth:`drain_step_`)
-        self.draining: dict[int, int] = {}
-        self.velocities: dict[int, torch.Tensor] = {}
         #: fp32 bits of the largest ``|x|`` the last compiled momentum / residual pass wrote
         #: (``None``: the torch path ran); the hook's non-finite check without another pass
         self.last_amax: int | None = None
@@ -78,34 +68,6 @@ class ErrorFeedback:
         r = self.residual(bucket, x)
         if r is not None:
             x.add_(r)
-        return x
-
-    def start_drain(self, bucket: int, steps: int) -> None:
-        """The bucket moved to plain dense allreduce: its residual goes out over the next
-        ``steps`` dense steps (:meth:`drain_step_`) instead of all in one."""
-        if bucket in self.residuals:
-            self.draining[bucket] = steps
-
-    def drain_step_(self, bucket: int, x: torch.Tensor) -> torch.Tensor:
-        """One dense step of a drain: ``x += r / n`` and ``r *= (n - 1) / n`` with ``n`` the
-        steps left, so each of the ``steps`` dense steps adds an equal share of the residual
-        the drain started with and the last one empties it (then it is dropped). Why not all
-        at once: random-k's residual holds up to ``residual_bound`` (5) times a step's
-        gradient; added into one dense step it is a 5x learning-rate step (loss spikes at
-        every autotune switch to dense were seen). Returns x."""
-        n = self.draining.get(bucket)
-        if n is None:
-            return x
-        r = self.residual(bucket, x)
-        if r is None:  # reset or re-laid out meanwhile
-            del self.draining[bucket]
-            return x
-        x.add_(r, alpha=1.0 / n)
-        if n <= 1:
-            del self.residuals[bucket], self.draining[bucket]
-        else:
-            r.mul_((n - 1) / n)
-            self.draining[bucket] = n - 1
         return x
 
     def _residual_buffer(self, bucket: int, x: torch.Tensor) -> torch.Tensor:
@@ -142,54 +104,11 @@ class ErrorFeedback:
         torch.where(aggregate.ne(0), torch.sub(x, sent, out=r), x, out=r)
         return r
 
-    def velocity(self, bucket: int, like: torch.Tensor) -> torch.Tensor | None:
-        """The bucket's momentum-correction velocity, ``None`` if absent or of another layout."""
-        u = self.velocities.get(bucket)
-        if u is not None and (u.numel() != like.numel() or u.dtype != like.dtype
-                              or u.device != like.device):
-            self._layout_reset("velocity", bucket, u, like)
-            del self.velocities[bucket]
-            return None
-        return u
-
-    def momentum_(self, bucket: int, x: torch.Tensor, momentum: float, div: int = 1) -> torch.Tensor:
-        """Momentum correction: ``x <- x / div`` (the world size; 1: none), then
-        ``u <- momentum * u + x`` (``u = x`` the first time), then ``x <- u`` in place; returns
-        x. ``mul_`` then ``add_``: two roundings, like ``torch.optim.SGD``'s
-        ``buf.mul_(m).add_(g)``. One compiled pass over fp32 CPU buckets (same bits)."""
-        u = self.velocity(bucket, x)
-        if u is not None and (amax := _fused(x, u, None, div, momentum)) is not None:
-            self.last_amax = amax
-            return x
-        if div != 1:
-            x.div_(div)
-        if u is None:
-            self.velocities[bucket] = x.clone()
-            return x
-        u.mul_(momentum).add_(x)
-        x.copy_(u)
-        return x
-
-    def momentum_residual_(self, bucket: int, x: torch.Tensor, momentum: float,
-                           div: int = 1) -> torch.Tensor:
-        """:meth:`momentum_` then :meth:`add_residual_` in one pass fewer: ``x <- u + r``
-        written once instead of ``x <- u; x += r`` (same bits: one rounding either way)."""
-        u, r = self.velocity(bucket, x), self.residual(bucket, x)
-        if u is None or r is None:
-            return self.add_residual_(bucket, self.momentum_(bucket, x, momentum, div))
-        if (amax := _fused(x, u, r, div, momentum)) is not None:
-            self.last_amax = amax
-            return x
-        if div != 1:
-            x.div_(div)
-        u.mul_(momentum).add_(x)
-        return torch.add(u, r, out=x)
-
     def div_residual_(self, bucket: int, x: torch.Tensor, div: int = 1) -> torch.Tensor:
         """``x <- x / div + residual`` in place (``x.div_(div)`` then :meth:`add_residual_`), in
         one compiled pass over fp32 CPU buckets (same bits); returns x."""
         r = self.residual(bucket, x)
-        c = None if r is None else _kernel_lib(x, r)
+        c = None if r is None else kernel_lib(x, r)
         if c is None:
             if div != 1:
                 x.div_(div)
@@ -200,56 +119,12 @@ class ErrorFeedback:
         self.last_amax = amax.value
         return x
 
-    def update_masked_(self, bucket: int, x: torch.Tensor, sent: torch.Tensor,
-                       aggregate: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`update_` (``sent`` as ``decoded``) then :meth:`mask_velocity_` with the same
-        ``aggregate``, in one compiled pass over fp32 CPU buckets (same bits); returns the
-        residual."""
-        u = self.velocities.get(bucket)
-        if u is not None and (u.numel() != x.numel()
-                              or (aggregate is not None and aggregate.numel() != x.numel())):
-            u = None  # mask_velocity_ skips a velocity of another layout too
-        r = self.residual(bucket, x)
-        ts = (x, sent) + tuple(t for t in (aggregate, r, u) if t is not None)
-        c = _kernel_lib(*ts)
-        if c is None or r is None:  # the torch steps (and the first step's allocation)
-            self.mask_velocity_(bucket, sent, aggregate)
-            return self.update_(bucket, x, sent)
-        c.cp_ef_update(x.data_ptr(), sent.data_ptr(),
-                       None if aggregate is None or u is None else aggregate.data_ptr(),
-                       r.data_ptr(), None if u is None else u.data_ptr(), x.numel(),
-                       cpu_kernels.threads())
-        return r
-
-    def mask_velocity_(self, bucket: int, sent: torch.Tensor,
-                       aggregate: torch.Tensor | None = None) -> None:
-        """Momentum factor masking (``sent``: this rank's own decoded payload, nonzero where the
-        sparsifier sent a value):
-
-        - ``aggregate`` None, DGC's rule ("sent"): ``u[sent != 0] = 0``;
-        - ``aggregate`` given ("held", the hook's default where the algorithm can hold back):
-          ``u[(sent != 0) & (aggregate == 0)] = 0``, only where the decoded sum every rank
-          received came back without what this rank sent. A coordinate whose sum cancels to
-          exactly 0 counts as held back too (rare; masking it only drops its momentum).
-
-        A velocity of another layout is left alone."""
-        u = self.velocities.get(bucket)
-        if u is None or u.numel() != sent.numel():
-            return
-        if aggregate is None:
-            u.masked_fill_(sent != 0, 0)
-        elif aggregate.numel() == sent.numel():
-            u.masked_fill_(torch.ne(sent, 0).logical_and_(torch.eq(aggregate, 0)), 0)
-
     def reset(self, bucket: int | None = None) -> None:
+        """Forget every residual, or ``bucket``'s."""
         if bucket is None:
             self.residuals.clear()
-            self.velocities.clear()
-            self.draining.clear()
         else:
             self.residuals.pop(bucket, None)
-            self.velocities.pop(bucket, None)
-            self.draining.pop(bucket, None)
 
     def compress(self, compressor: Compressor, x: torch.Tensor, ctx: Context
                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -265,38 +140,24 @@ class ErrorFeedback:
         return payload, decoded
 
     def state_dict(self) -> dict:
-        return {"residuals": {int(k): v.detach().cpu().clone() for k, v in self.residuals.items()},
-                "velocities": {int(k): v.detach().cpu().clone() for k, v in self.velocities.items()},
-                "draining": {int(k): int(n) for k, n in self.draining.items()}}
+        return {"residuals": _plain_tensors(self.residuals)}
 
     def load_state_dict(self, sd: dict, device=None) -> None:
-        def load(d):
-            return {int(k): v.to(device) if device is not None else v.clone() for k, v in d.items()}
-
-        self.residuals = load(sd.get("residuals", {}))
-        self.velocities = load(sd.get("velocities", {}))
-        self.draining = {int(k): int(n) for k, n in sd.get("draining", {}).items()}
+        self.residuals = load_tensors(sd.get("residuals", {}), device)
 
 
-def _kernel_lib(*ts: torch.Tensor):
+def kernel_lib(*ts: torch.Tensor):
     """The compiled kernels when every tensor is contiguous fp32 on the CPU, else None."""
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
         return None
     return cpu_kernels.lib(*ts)
 
 
-def _fused(x: torch.Tensor, u: torch.Tensor, r: torch.Tensor | None, div: int,
-           momentum: float) -> int | None:
-    """``x / div``, the velocity update and ``x <- u (+ r)`` in one compiled pass (fp32 CPU,
-    contiguous); returns the fp32 bits of the largest ``|x|`` written, or None where the
-    torch path must do it. The bits are the torch path's
-    (tests/unit/test_cpu_kernels.py): the pass exists because the torch path reads and writes
-    a bucket-sized tensor four to five times (div, mul, add, copy), which on a 25M-parameter
-    bucket is tens of ms per step even where auto locked dense."""
-    c = _kernel_lib(*((x, u) if r is None else (x, u, r)))
-    if c is None:
-        return None
-    amax = ctypes.c_uint32(0)
-    c.cp_momentum(x.data_ptr(), u.data_ptr(), None if r is None else r.data_ptr(), x.numel(),
-                  float(div), float(momentum), ctypes.addressof(amax), cpu_kernels.threads())
-    return amax.value
+
+def _plain_tensors(d: dict) -> dict:
+    return {int(k): v.detach().cpu().clone() for k, v in d.items()}
+
+
+def load_tensors(d: dict, device=None) -> dict:
+    """``{int: tensor}`` from a state dict, moved to ``device`` (``None``: copied)."""
+    return {int(k): v.to(device) if device is not None else v.clone() for k, v in d.items()}

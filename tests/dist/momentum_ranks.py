@@ -85,11 +85,11 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
     "sent". Every ``update_returned_`` goes under "returned", keyed by ``(bucket, n-th call for
     it)``, as ``(x, sent, aggregate, residual, u before, u after)``; "owner_residuals": buckets whose algorithm store holds an
     owner residual at the end."""
-    from compressors import ErrorFeedback
+    from comms.local_memory import LocalMemory
 
     calls: dict = {"held": [], "sent": 0, "depth": 0, "returned": {}}
-    update_masked, mask_velocity = ErrorFeedback.update_masked_, ErrorFeedback.mask_velocity_
-    update_returned = ErrorFeedback.update_returned_
+    update_masked, mask_velocity = LocalMemory.update_masked_, LocalMemory.mask_velocity_
+    update_returned = LocalMemory.update_returned_
 
     def spy_update_returned(self, bucket, x, sent, aggregate):
         u = self.velocities.get(bucket)
@@ -127,9 +127,9 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
         return recorded(lambda: mask_velocity(self, bucket, sent, aggregate), self, bucket, sent,
                         aggregate)
 
-    ErrorFeedback.update_masked_ = spy_update_masked  # this rank's process only
-    ErrorFeedback.mask_velocity_ = spy_mask_velocity
-    ErrorFeedback.update_returned_ = spy_update_returned
+    LocalMemory.update_masked_ = spy_update_masked  # this rank's process only
+    LocalMemory.mask_velocity_ = spy_mask_velocity
+    LocalMemory.update_returned_ = spy_update_returned
     x_all, y_all = dataset()
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(OddNet(), find_unused_parameters=True, bucket_cap_mb=0.01)

@@ -273,11 +273,11 @@ def test_momentum_pass_equals_torch_steps(world, momentum, threads, fallback, mo
     """``x / world``, ``u <- m u + x`` and ``x <- u (+ r)`` in one compiled pass: the bits of
     ``x.div_(world)`` then the torch momentum (and residual) steps, incl. -0, denormals, inf
     and NaN, over several steps of both entry points."""
-    from compressors.error_feedback import ErrorFeedback
+    from comms.local_memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(world * 10 + threads)
-    fast, ref = ErrorFeedback(), ErrorFeedback()
+    fast, ref = LocalMemory(), LocalMemory()
     for step in range(4):
         x = torch.randn(200_003, generator=g) * 10.0 ** (step - 2)
         x[::97] = -0.0
@@ -310,11 +310,11 @@ def test_div_residual_pass_equals_torch_steps(world, threads, fallback, monkeypa
     """``x <- x / world + r`` in one compiled pass: the bits of ``x.div_(world)`` then
     ``add_residual_``, incl. -0, denormals, inf and NaN, over three steps (the first has no
     residual yet)."""
-    from compressors.error_feedback import ErrorFeedback
+    from comms.local_memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(world + 10 * threads)
-    fast, ref = ErrorFeedback(), ErrorFeedback()
+    fast, ref = LocalMemory(), LocalMemory()
     for step in range(3):
         x = torch.randn(200_003, generator=g) * 10.0 ** (step - 1)
         x[::89] = -0.0
@@ -341,11 +341,11 @@ def test_ef_update_with_masking_equals_torch_steps(threads, with_velocity, fallb
     """``r <- x - own`` and momentum factor masking (``u[own != 0] = 0``) in one compiled pass:
     the bits of ``update_`` then ``mask_velocity_`` (the torch steps), incl. -0 in ``own``
     (not sent: its velocity stays), NaN and inf, over three steps."""
-    from compressors.error_feedback import ErrorFeedback
+    from comms.local_memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(threads)
-    fast, ref = ErrorFeedback(), ErrorFeedback()
+    fast, ref = LocalMemory(), LocalMemory()
     for step in range(3):
         x = torch.randn(300_007, generator=g)
         x[3::1013] = 1e-41
@@ -376,11 +376,11 @@ def test_ef_update_held_equals_torch_steps(threads, fallback, monkeypatch):
     compiled pass: the bits of ``update_`` then ``mask_velocity_`` given ``agg`` (the torch
     steps), incl. -0 in ``own`` and ``agg``, NaN and inf, over three steps; the first step (no
     residual yet) takes the torch steps."""
-    from compressors.error_feedback import ErrorFeedback
+    from comms.local_memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(10 + threads)
-    fast, ref = ErrorFeedback(), ErrorFeedback()
+    fast, ref = LocalMemory(), LocalMemory()
     u = torch.randn(300_007, generator=g)
     fast.velocities[0], ref.velocities[0] = u.clone(), u.clone()
     for step in range(3):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from comms.local_memory import LocalMemory
 from compressors import (BF16, FP16, QSGD, Context, ErrorFeedback, Identity, RandomK,
                          ScaledSign, TopK)
 
@@ -84,7 +85,7 @@ def test_momentum_residual_fused_equals_momentum_then_residual():
     # the hook's fused local step: x <- (m u + x) + r in one write, the same bits as
     # momentum_ then add_residual_, on the first call (no velocity yet) and after
     g = torch.Generator().manual_seed(7)
-    a, b = ErrorFeedback(), ErrorFeedback()
+    a, b = LocalMemory(), LocalMemory()
     for step in range(3):
         x = torch.randn(1001, generator=g) * 10.0 ** (step - 1)
         x[::97] = -0.0
@@ -104,7 +105,7 @@ def test_drain_adds_equal_shares_and_survives_a_checkpoint():
     drops it), the count is checkpointed, and compressing again stops the drain."""
     g = torch.Generator().manual_seed(3)
     r0 = torch.randn(1000, generator=g)
-    ef = ErrorFeedback()
+    ef = LocalMemory()
     ef.residuals[0] = r0.clone()
     ef.start_drain(0, 4)
     ef.start_drain(1, 4)  # no residual for bucket 1: nothing to drain
@@ -113,7 +114,7 @@ def test_drain_adds_equal_shares_and_survives_a_checkpoint():
     for i in range(4):
         if i == 2:  # a checkpoint half-way resumes the same drain
             sd = ef.state_dict()
-            ef = ErrorFeedback()
+            ef = LocalMemory()
             ef.load_state_dict(sd)
             assert ef.draining == {0: 2}
         x = torch.zeros(1000)

@@ -9,7 +9,7 @@ import torch
 
 import comms
 from comms import CompressionState
-from compressors import ErrorFeedback
+from comms.local_memory import LocalMemory
 
 
 @pytest.mark.parametrize("kw, exc", [
@@ -33,7 +33,7 @@ def test_residual_bound_defaults():
 
 
 def test_momentum_correction_and_masking_arithmetic():
-    mem = ErrorFeedback()
+    mem = LocalMemory()
     g1, g2 = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5])
     x = g1.clone()
     mem.momentum_(0, x, 0.9)
@@ -48,7 +48,7 @@ def test_momentum_correction_and_masking_arithmetic():
 
 
 def test_mask_velocity_with_aggregate_zeroes_only_what_it_left_out():
-    mem = ErrorFeedback()
+    mem = LocalMemory()
     mem.velocities[0] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     sent = torch.tensor([0.0, 7.0, 7.0, -0.0, 7.0])  # -0.0 is not a sent value
     aggregate = torch.tensor([0.0, 9.0, 0.0, 0.0, -0.0])  # coordinates 2 and 4 held back
@@ -59,7 +59,7 @@ def test_mask_velocity_with_aggregate_zeroes_only_what_it_left_out():
 
 
 def test_update_returned_keeps_what_the_aggregate_left_out():
-    mem = ErrorFeedback()
+    mem = LocalMemory()
     x = torch.tensor([1.5, -2.0, 3.0, -0.0, 0.25, float("nan")])
     sent = torch.tensor([1.5, -2.0, 0.0, 0.0, 0.125, 0.0])
     aggregate = torch.tensor([3.0, 0.0, 1.0, -0.0, 0.5, 7.0])  # coordinate 1 left out; 3 is -0
