@@ -118,6 +118,15 @@ def _check_module(state: FSDPCompressionState, fqn: str, m, replicate_group) -> 
     return float(g.gradient_divide_factor or shard * replicas)
 
 
+def _checked_modules(model, probe: FSDPCompressionState, replicate_group):
+    """The FSDP2 modules of ``model`` and their divide factors, every one checked."""
+    mods = fsdp_modules(model)
+    if not mods:
+        raise TypeError(f"{type(model).__name__} has no FSDP2 module with parameters: apply "
+                        "torch.distributed.fsdp.fully_shard first")
+    return mods, [_check_module(probe, fqn, m, replicate_group) for fqn, m in mods]
+
+
 def _equip(state: FSDPCompressionState, mods) -> None:
     """Change the (validated) modules: sums everywhere, FSDP divides once afterwards."""
     for i, (fqn, m) in enumerate(mods):
@@ -178,11 +187,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     guard = replica_guard(model, check_replicas_every, gathered=replicate_group is None)
     probe = FSDPCompressionState(compressor, replicate_group=replicate_group, algorithm=algorithm,
                                  **options)  # every option validated before the model is looked at
-    mods = fsdp_modules(model)
-    if not mods:
-        raise TypeError(f"{type(model).__name__} has no FSDP2 module with parameters: apply "
-                        "torch.distributed.fsdp.fully_shard first")
-    factors = [_check_module(probe, fqn, m, replicate_group) for fqn, m in mods]
+    mods, factors = _checked_modules(model, probe, replicate_group)
     state, taken = pair_optimizer(optimizer, lambda **kw: FSDPCompressionState(
         compressor, replicate_group=replicate_group, algorithm=algorithm, **kw), options)
     state.modules, state.divide_factors = [fqn for fqn, _ in mods], factors

@@ -20,6 +20,7 @@ from .config_check import ConfigCheck
 from .fsdp_tuner import ModuleTuner
 from .local_memory import LocalMemory
 from .options import OPTION_FIELDS, OptionsView, PipelineOptions
+from .stats import stats_rows
 
 __all__ = ["FSDPCompressionState", "FSDP_CONFIG_FIELDS", "HSDP_ALGORITHMS"]
 
@@ -187,11 +188,7 @@ class FSDPCompressionState(OptionsView):
 
     def report(self) -> str:
         """Per-module table: numel, route, dense and wire bytes one rank sends per step."""
-        rows = [f"{'module':>24} {'numel':>11} {'route':>18} {'dense B':>12} {'wire B':>12} {'ratio':>7}"]
-        for i in sorted(self.stats):
-            s = self.stats[i]
-            rows.append(f"{self.modules[i] or '<root>':>24} {s.numel:>11} {s.algorithm:>18} "
-                        f"{s.dense_bytes:>12} {s.wire_bytes:>12} {s.ratio:>7.1f}")
+        rows = stats_rows(self.stats, "module", lambda i: self.modules[i] or "<root>")
         rows.append(f"compressor={self.compressor.spec()} mode={self.mode} algorithm={self.algorithm} "
                     f"error_feedback={self.error_feedback} residual bytes={self.residual_bytes()} "
                     f"layout resets={self.memory.layout_resets}")

@@ -32,7 +32,7 @@ from .config_check import ConfigCheck
 from .layouts import LayoutTracker
 from .local_memory import LocalMemory
 from .options import OPTION_FIELDS, OptionsView, PipelineOptions
-from .stats import BucketStats
+from .stats import BucketStats, stats_rows
 from .step_flags import StepFlags
 
 __all__ = ["CompressionState", "BucketStats", "CONFIG_FIELDS"]
@@ -247,15 +247,11 @@ class CompressionState(OptionsView):
 
     def report(self) -> str:
         """A table of the per-bucket statistics (bytes sent per rank per step)."""
-        rows = [f"{'bucket':>6} {'numel':>11} {'dtype':>9} {'algorithm':>10} {'dense B':>12} "
-                f"{'wire B':>12} {'ratio':>7}"]
-        for b in sorted(self.stats):
-            s = self.stats[b]
-            rows.append(f"{b:>6} {s.numel:>11} {str(s.dtype).replace('torch.', ''):>9} "
-                        f"{s.algorithm:>10} {s.dense_bytes:>12} {s.wire_bytes:>12} {s.ratio:>7.1f}")
+        rows = stats_rows(self.stats, "bucket", str)
         rows.append(f"compressor={self.compressor.spec()} iter={self.iter} "
                     f"wire/step={self.wire_bytes_per_step()} dense/step={self.dense_bytes_per_step()}"
-                    + (f" nonfinite_buckets={self.nonfinite_buckets}" if self.nonfinite_buckets else ""))
+                    + (f" nonfinite_buckets={self.nonfinite_buckets}" if self.nonfinite_buckets else "")
+                    + (f" layout resets={self.memory.layout_resets}" if self.memory.layout_resets else ""))
         tuner = self.planner.tuner if self.planner is not None else None
         if tuner is not None and tuner.locked:
             rows.append(f"autotune: locked {tuner.decision!r} after {tuner.tuning_steps} tuning steps, "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BucketStats", "record_call", "dense_wire_bytes"]
+__all__ = ["BucketStats", "record_call", "dense_wire_bytes", "stats_rows"]
 
 
 def dense_wire_bytes(numel: int, element_size: int, world: int) -> int:
@@ -44,3 +44,15 @@ def record_call(stats: dict, index: int, numel: int, dtype, element_size: int, w
                                         dense if wire_bytes is None else wire_bytes(), compressor)
     st.calls += 1
     return st
+
+
+def stats_rows(stats: dict, label: str, name_of) -> list[str]:
+    """The per-entry rows of a ``report()`` table (header first): ``name_of(key)`` names each
+    entry (a bucket index, a module's fqn) under the column ``label``."""
+    rows = [f"{label:>24} {'numel':>11} {'dtype':>9} {'algorithm':>18} {'dense B':>12} "
+            f"{'wire B':>12} {'ratio':>7}"]
+    for k in sorted(stats):
+        s = stats[k]
+        rows.append(f"{name_of(k):>24} {s.numel:>11} {str(s.dtype).replace('torch.', ''):>9} "
+                    f"{s.algorithm:>18} {s.dense_bytes:>12} {s.wire_bytes:>12} {s.ratio:>7.1f}")
+    return rows
