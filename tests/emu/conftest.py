@@ -1,7 +1,8 @@
 """Fixtures of the CPU emulator suite: the emulator build (cached under pytest's cache), a
 backend switch that routes compressors.cuda.kernels to it, and the count of launches per
 entry point (printed at the end of the run). Every test here skips, saying why, where no C++
-compiler exists; nothing else skips."""
+compiler exists -- unless ``COMMPRESS_REQUIRE_EMU`` is set (CI), which makes that an error;
+nothing else skips."""
 
 import collections
 import os
@@ -19,10 +20,14 @@ CASES = collections.Counter()     # kernel name -> distinct (test case, launch s
 def pytest_collection_modifyitems(config, items):
     if cuda_emu.compiler() is not None:
         return
+    mine = [item for item in items if str(item.fspath).startswith(HERE)]
+    if mine and os.environ.get("COMMPRESS_REQUIRE_EMU"):
+        # CI sets it: a green run must not hide a suite that never ran
+        raise pytest.UsageError("COMMPRESS_REQUIRE_EMU is set but there is no C++ compiler (g++, c++ or $CXX): "
+                                "the CUDA emulator suite (tests/emu) cannot run")
     skip = pytest.mark.skip(reason="no C++ compiler (g++, c++ or $CXX): the CUDA emulator suite needs one")
-    for item in items:
-        if str(item.fspath).startswith(HERE):
-            item.add_marker(skip)
+    for item in mine:
+        item.add_marker(skip)
 
 
 def emu_cache_dir(config) -> str:

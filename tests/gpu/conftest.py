@@ -1,4 +1,6 @@
-"""GPU test helpers: every test here is marked ``gpu`` and skips cleanly without CUDA/CuPy."""
+"""GPU test helpers: every test here is marked ``gpu`` and skips cleanly without CUDA/CuPy --
+except where ``COMMPRESS_REQUIRE_CUPY`` is set (``make test`` on a CUDA machine): then a CUDA
+device without CuPy fails every test instead of skipping it."""
 
 import os
 
@@ -19,6 +21,9 @@ def pytest_collection_modifyitems(config, items):
             from gpu_helpers import kernel_status
 
             status = kernel_status()
+            if status[0] == "skip" and os.environ.get("COMMPRESS_REQUIRE_CUPY") and torch.cuda.is_available():
+                # `make test` on a CUDA machine installs the CuPy extra: its absence is a failure
+                status = ("fail", f"COMMPRESS_REQUIRE_CUPY is set and a CUDA device is present, but {status[1]}")
             config._commpress_kernel_status = status
         if status[0] == "skip":
             item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device with CuPy and NVRTC: {status[1]}"))

@@ -12,11 +12,11 @@ pytestmark = [pytest.mark.timeout(300)]
 
 # (spec, algorithm, kernels that must have run)
 CASES = [
-    ("qsgd:bits=4", "allgather", {"qsgd_quantize_fused", "qsgd_dequantize"}),
+    ("qsgd:bits=4", "allgather", {"qsgd_encode_chunks", "qsgd_dequantize"}),
     # the fused owner step needs every chunk to be one flat stream: the default tensor-aligned
     # chunks of these multi-tensor buckets take quantize + dequantize, align=flat the fused step
-    ("qsgd:bits=8", "two_phase", {"qsgd_quantize_fused", "qsgd_dequantize"}),
-    ("qsgd:bits=8,align=flat", "two_phase", {"qsgd_quantize_fused", "two_phase_qsgd_owner"}),
+    ("qsgd:bits=8", "two_phase", {"qsgd_encode_chunks", "qsgd_dequantize"}),
+    ("qsgd:bits=8,align=flat", "two_phase", {"qsgd_encode_chunks", "two_phase_qsgd_owner"}),
     ("sign", "allgather", {"sign_pack", "sign_decode"}),
     ("topk:density=0.01,exact=false", "allgather", {"topk_compact", "topk_scatter_add"}),
     ("qsgd:bits=8", "shared_scale", {"shared_scale_encode", "shared_scale_decode"}),

@@ -278,7 +278,7 @@ def test_two_phase_owner_matches_reference(bits, world):
 
 
 def test_two_phase_owner_declines_unsupported():
-    q = compressors.QSGD(bits=1, chunk=100)  # 100 bits per chunk: not whole 32-bit words
+    q = compressors.QSGD(bits=1, chunk=100)  # not a multiple of 8: groups would straddle chunks
     ctx2 = compressors.Context(numel=1000, device=DEV)
     recv = torch.zeros(2 * (4 * 10 + 125), dtype=torch.uint8, device=DEV)
     assert alg_cuda.two_phase_qsgd_owner(q, recv, 2, 1000, ctx2) is None
@@ -306,3 +306,44 @@ def test_qsgd_non_finite_and_tiny_chunks_match_cpu_reference(bits):
     fin = torch.isfinite(dref)
     assert_same_bits(dgot[fin], dref[fin], "finite decode")
     assert torch.equal(torch.isnan(dgot), torch.isnan(dref))
+
+
+def _off_alignment(t):
+    """A copy of CUDA tensor ``t`` whose data pointer is 4 bytes past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    k = (4 - buf.data_ptr() % 16) % 16 // t.element_size()
+    out = buf[k:k + t.numel()]
+    out.copy_(t)
+    assert out.data_ptr() % 16 == 4
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_element_wise_paths_on_views_off_alignment(dtype):
+    """The vectorised kernels take their element-wise path for views 4 bytes off a 16-byte
+    boundary (inputs, outputs, payload codes): the same bits as the reference."""
+    x = make_x(30_001).to(dtype)
+    xd = _off_alignment(x.to(DEV))
+    for bits in (1, 8):
+        q = compressors.QSGD(bits=bits, chunk=512)
+        ref = q.compress(x, ctx_for(x))
+        got = dispatch.qsgd_compress(q, xd, ctx_for(x, device=DEV))
+        assert_same_bits(got[1], ref[1], f"codes {bits}")
+        wire = [got[0], _off_alignment(got[1]) if bits == 8 else got[1]]
+        out = _off_alignment(torch.zeros(x.numel(), dtype=dtype, device=DEV))
+        assert dispatch.qsgd_decompress(q, wire, ctx_for(x, device=DEV), out) is out
+        assert_same_bits(out, q.decompress(ref, ctx_for(x)), f"decode {bits}")
+    s = compressors.ScaledSign(chunk=128)
+    got = dispatch.sign_compress(s, xd, ctx_for(x, device=DEV))
+    assert_same_bits(got[1], s.compress(x, ctx_for(x))[1], "sign bits (ballot path)")
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_qsgd_chunks_longer_than_the_register_cache(bits):
+    """Chunks over 8192 elements (QSGD_CACHE_GROUPS * 8 * 256): the encode re-reads the rest."""
+    q = compressors.QSGD(bits=bits, chunk=20_000)
+    x = make_x(65_543)
+    ref = q.compress(x, ctx_for(x))
+    got = dispatch.qsgd_compress(q, x.to(DEV), ctx_for(x, device=DEV))
+    assert_same_bits(got[0], ref[0], "scales")
+    assert_same_bits(got[1], ref[1], "codes")
