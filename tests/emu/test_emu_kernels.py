@@ -452,3 +452,27 @@ def test_two_phase_owner_shared_memory_limit_counts_static(emu):
     assert [(n, s) for n, _, _, s in be.launches] == [("two_phase_qsgd_owner", 8 * 6126)]
     assert alg_cuda.two_phase_qsgd_owner(compressors.QSGD(bits=8, chunk=100), torch.zeros(2 * (4 + 100), dtype=torch.uint8),
                                          2, 100, compressors.Context(numel=100, dtype=torch.float32)) is None
+
+
+def test_the_kernel_bench_runs_on_the_emulator(emu, capsys):
+    """bench/kernels.py's code path (launch arguments, byte models, targets) on the CPU, so the
+    one device run does not fail on a script error; timings here mean nothing."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    def timer(fn, reps, warmup=0):
+        t = time.perf_counter()
+        fn()
+        return max(1.0, (time.perf_counter() - t) * 1e6)
+
+    emu(workers=2)
+    path = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.run([20_000], 1, device="cpu", timer=timer)
+    names = [r["kernel"] for r in rows]
+    assert "qsgd quantize 8b" in names and "two-phase owner 8b w=8" in names and "shared-scale decode int8" in names
+    assert all(r["roof_us"] and r["bytes_per_elt"] > 0 for r in rows)
+    assert {r["target"].split()[0] for r in rows if r["target"]} == {">=60%copy", ">=40%copy", ">=2x", ">=30%copy"}
