@@ -7,7 +7,8 @@
 // Kernels (all `extern "C"`, blockDim.x a multiple of 32, <= 1024):
 //   qsgd_encode_chunks(const void* x, int dtype, i64 n, i64 chunk, i64 nchunks, int bits, u32 key,
 //                      float* scales, u8* packed, i64 nbytes)
-//       the main encode: ONE read of x. One block per chunk (grid-stride over chunks); each
+//       the main encode: ONE read of x. One block per chunk (grid-stride over chunks; the
+//       launcher sizes the block to the chunk: one thread per group, 32 to 256 threads); each
 //       thread loads groups of 8 consecutive elements (16-byte vector loads when x is 16-byte
 //       aligned) and keeps up to QSGD_CACHE_GROUPS of them in registers while the block
 //       reduces the chunk's max-abs; it then encodes them from registers and stores the group's

@@ -24,7 +24,7 @@
 //       Bytes/element: world * b/8 (every rank's codes) + b/8 (owner codes) + 4 + 4 (residual
 //       in and out, when given) + (4 world + 4) / chunk.
 
-#define OWNER_CACHE_GROUPS 4
+#define OWNER_CACHE_GROUPS 2  // groups of 8 per thread in registers: 4096 elements at 256 threads
 
 __device__ __forceinline__ float load_f32_unaligned(const u8* p) {
     u32 b = (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);

@@ -84,6 +84,22 @@ def _dev(t: torch.Tensor) -> int:
     return torch.cuda.current_device() if t.is_cuda else 0
 
 
+def _chunk_block(chunk: int) -> int:
+    """Threads per block of the one-block-per-chunk kernels: one per group of 8 elements of a
+    chunk, a power of two from 32 to ``BLOCK`` (a 256-element chunk gets one warp, not 256
+    threads of which 224 idle); longer chunks give each thread several groups."""
+    need = -(-chunk // 8)
+    return max(32, min(_backend.BLOCK, 1 << max(0, need - 1).bit_length()))
+
+
+def _chunk_launch(name, idx, nch, chunk, args, shared_mem=0):
+    block = _chunk_block(chunk)
+    # up to 2048 resident threads per SM, at most 32 blocks: grid-stride over the chunks past that
+    grid = min(nch, _backend.grid_for(nch * block, idx, per_block=block, blocks_per_sm=min(32, 2048 // block)))
+    extra = {"block": block} if block != _backend.BLOCK else {}  # backends without the argument still work
+    _backend.launch(name, idx, grid, args, shared_mem=shared_mem, **extra)
+
+
 def _groups(n: int) -> int:
     # the vectorised kernels give each thread groups of 8 consecutive elements
     return -(-n // 8)
@@ -120,9 +136,8 @@ def qsgd_compress(x: torch.Tensor, bits: int, chunk: int, key: int) -> list[torc
     dt, nb = np.int32(DTYPE_CODE[x.dtype]), _i64(packed.numel())
     if chunk % 8 == 0:
         # one read of x: one block per chunk, groups of 8 in registers, aligned code stores
-        _backend.launch("qsgd_encode_chunks", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
-                      (x, dt, _i64(n), _i64(chunk), _i64(nch), np.int32(bits), np.uint32(key),
-                       scales, packed, nb))
+        _chunk_launch("qsgd_encode_chunks", idx, nch, chunk,
+                      (x, dt, _i64(n), _i64(chunk), _i64(nch), np.int32(bits), np.uint32(key), scales, packed, nb))
     elif (chunk * bits) % 32 == 0 and packed.data_ptr() % 4 == 0:
         # one block per chunk: each chunk owns whole words of the packed stream
         _backend.launch("qsgd_quantize_fused", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
@@ -284,7 +299,7 @@ def two_phase_qsgd_owner(recv: torch.Tensor, world: int, m: int, bits: int, chun
     scales = torch.empty(nch, dtype=torch.float32, device=recv.device)
     packed = _packed_buffer(m, bits, recv.device)
     if m:
-        _backend.launch("two_phase_qsgd_owner", idx, min(nch, _backend.grid_for(nch * _backend.BLOCK, idx)),
+        _chunk_launch("two_phase_qsgd_owner", idx, nch, chunk,
                       (recv, _i64(seg), np.int32(world), _i64(m), _i64(chunk), _i64(nch), np.int32(bits),
                        np.uint32(key), residual_in, residual_out, scales, packed, _i64(packed.numel())),
                       shared_mem=two_phase_shared_mem(chunk, world))

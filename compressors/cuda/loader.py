@@ -271,8 +271,9 @@ def static_shared_bytes(name: str, index: int) -> int:
             return STATIC_SHARED_FALLBACK
 
 
-def launch(name: str, index: int, grid: int, args, shared_mem: int = 0) -> None:
-    """Launch kernel ``name`` on torch's current stream of device ``index``.
+def launch(name: str, index: int, grid: int, args, shared_mem: int = 0, block: int | None = None) -> None:
+    """Launch kernel ``name`` on torch's current stream of device ``index`` with ``block``
+    threads per block (default :data:`BLOCK`; a multiple of 32, at most 1024).
 
     ``args`` may hold torch CUDA tensors (crossed with DLPack), ``None`` (a null pointer) and
     numpy scalars; nothing synchronises with the host.
@@ -289,7 +290,7 @@ def launch(name: str, index: int, grid: int, args, shared_mem: int = 0) -> None:
                 conv.append(np.uint64(0))
             else:
                 conv.append(a)
-        kern((grid,), (BLOCK,), tuple(conv), shared_mem=shared_mem)
+        kern((grid,), (block or BLOCK,), tuple(conv), shared_mem=shared_mem)
 
 
 def reset() -> None:

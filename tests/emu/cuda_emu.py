@@ -384,8 +384,9 @@ class EmuBackend:
             return grid // 8 + 1
         return int(g)
 
-    def launch(self, name: str, index: int, grid: int, args, shared_mem: int = 0) -> None:
+    def launch(self, name: str, index: int, grid: int, args, shared_mem: int = 0, block: int | None = None) -> None:
         g = self._grid(name, grid)
-        self.launches.append((name, g, self.BLOCK, shared_mem))
-        self.lib.launch(name, g, self.BLOCK, shared_mem, args, seed=self.seed, workers=self.workers,
+        b = min(block, self.BLOCK) if block else self.BLOCK  # the launcher's size, capped by the test's
+        self.launches.append((name, g, b, shared_mem))
+        self.lib.launch(name, g, b, shared_mem, args, seed=self.seed, workers=self.workers,
                         resident=self.resident, interleave=self.interleave, guard=self.guard)
