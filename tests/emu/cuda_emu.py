@@ -77,8 +77,10 @@ ASM_RE = re.compile(r'\basm\s*(?:volatile\s*)?\(\s*"((?:[^"\\]|\\.)*)"\s*:\s*"=\
                     r'\s*"\w+"\s*\(\s*([^()]+?)\s*\)\s*\)')
 GUARD_BYTES = 4096  # canary bytes on each side of every tensor argument (EmuLibrary.launch)
 # static shared memory per kernel as ptxas reports it (block_reduce_max_nan: 32 + 1 floats,
-# padded); the emulator cannot measure it (thread_local arrays): used by two_phase_fits
-STATIC_SHARED = {"chunk_absmax": 144, "qsgd_quantize_fused": 144, "two_phase_qsgd_owner": 144}
+# padded); the emulator knows each declaration's size but not which kernel uses it: used by
+# two_phase_fits
+STATIC_SHARED = {"chunk_absmax": 144, "qsgd_quantize_fused": 144, "qsgd_encode_chunks": 144, "topk_compact": 144,
+                 "two_phase_qsgd_owner": 144}
 
 
 class EmuError(RuntimeError):
