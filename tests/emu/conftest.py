@@ -49,6 +49,12 @@ def emu_lib(request):
 
 
 @pytest.fixture(scope="session")
+def emu_cache(request):
+    """The folder the suite's builds are cached in."""
+    return emu_cache_dir(request.config)
+
+
+@pytest.fixture(scope="session")
 def emu_build(request):
     """``build(sources, asan=False) -> path`` into the suite's cache (for altered copies)."""
     def _build(sources=None, asan=False):
