@@ -102,16 +102,16 @@ def _record(state, index: int, x: torch.Tensor, world: int, name: str, wire=None
 
 
 def _route_dense(state: CompressionState, comm, x: torch.Tensor, index: int, step: int, scatter,
-                 prev: str | None, switched: bool) -> torch.futures.Future:
+                 prev: str | None, switched: bool, mbar=None) -> torch.futures.Future:
     """The auto planner routes this bucket to the plain allreduce: local steps, the previous
     algorithm's residual flushed once, the error-feedback residual kept through a trial's
     dense steps or drained over a few dense steps once dense is the decision."""
     world = comm.world_size
     _record(state, index, x, world, DENSE)
     kept = state.error_feedback and index in state.memory.residuals
-    if not switched and not kept and not state.local_transform:
+    if not switched and not kept and not state.local_transform and mbar is None:
         return _averaged_allreduce(state, comm, index, step, x, scatter)
-    flag = local_flagged(state, index, x, world, _limit(state, world))
+    flag = local_flagged(state, index, x, world, _limit(state, world), mbar)
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # the store is spent; the velocity is not
@@ -130,18 +130,19 @@ def _warm_step_goes_dense(alg, compressor, x: torch.Tensor, world: int) -> bool:
 
 
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
-                   scatter=None, shapes: tuple = (), dense: bool = False) -> torch.futures.Future:
+                   scatter=None, shapes: tuple = (), dense: bool = False, mbar=None) -> torch.futures.Future:
     """One flat tensor through the pipeline in place; returns the (pending) future.
 
     ``shapes``: the shapes of the parameters ``x`` is made of, in order (``()``: unknown);
     they reach the compressor as ``Context.shapes`` (PowerSGD factorizes each matrix).
     ``dense``: a plain allreduce step (before ``start_iter``, small buckets) that still needs
-    the local steps (momentum correction, clipping).
+    the local steps (momentum correction, clipping). ``mbar``: Adam's shared momentum of these
+    elements once the variance froze (the momentum is what travels: :mod:`comms.adam`).
     """
     comm = state.comm()
     world = comm.world_size
     if dense:
-        flag = local_flagged(state, index, x, world, _limit(state, world))
+        flag = local_flagged(state, index, x, world, _limit(state, world), mbar)
         return _plain_allreduce(state, comm, index, step, x, flag, scatter)
     name = state.algorithm_for(index, x.numel(), x.dtype)
     # the auto planner may move a bucket between algorithms (autotune trials): residuals of
@@ -149,10 +150,11 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     prev = state.planner.note_used(index, name) if state.planner is not None else None
     switched = prev is not None and prev != name
     if name == DENSE:
-        return _route_dense(state, comm, x, index, step, scatter, prev, switched)
+        return _route_dense(state, comm, x, index, step, scatter, prev, switched, mbar)
     state.memory.draining.pop(index, None)  # back to compressing: what is left is a residual again
-    compressor = state.compressor_at(step)  # warm-up variant (DGC) or the compressor itself
-    amax = feed_(state, index, x, world, _limit(state, world))
+    # warm-up variant (DGC; in Adam's momentum space its ramp starts when the variance froze)
+    compressor = state.compressor_at(step if mbar is None else step - state.adam.freeze_iter + state.start_iter)
+    amax = feed_(state, index, x, world, _limit(state, world), mbar)
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # stores belong to one algorithm
@@ -166,10 +168,11 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         state.memory.residuals.pop(index, None)
         _record(state, index, x, world, DENSE)
         return _plain_allreduce(state, comm, index, step, x, flag, scatter, "dense allreduce (warm-up)")
-    return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag)
+    velocity = state.momentum is not None or (mbar is not None and state.adam.mode == "local")
+    return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, velocity)
 
 
-def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag):
+def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, velocity):
     """The algorithm's rounds on the fed ``x``, then :func:`~comms.pipeline.settle_` once the
     result is in, through the step's flags."""
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
@@ -177,7 +180,7 @@ def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes
     _record(state, index, x, comm.world_size, alg.name,
             lambda: alg.bucket_wire_bytes(compressor, ctx, comm.world_size), compressor)
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
-    delivery = Delivery(state, compressor, alg.holds_back)
+    delivery = Delivery(state, compressor, alg.holds_back, velocity)
     try:
         fut = alg(comm, compressor, x, ctx, state.store(index),
                   **delivery.algorithm_kwargs(state, alg, index, x))
@@ -231,7 +234,7 @@ def _begin_bucket(state: CompressionState, bucket: dist.GradBucket, buf: torch.T
             state.communicator = state.planner.setup(comm, state.process_group)
             comm = state.comm()
         if index == 0:  # DDP launches bucket 0 first, after the last step's futures were waited
-            state.planner.begin_step(step, state.start_iter, buf.numel(), buf.dtype,
+            state.planner.begin_step(step, _start(state, step), buf.numel(), buf.dtype,
                                      state.warmup_steps)
         state.planner.observe(index, buf.numel(), buf.dtype, bucket)
     if index == 0 and state.replica_guard is not None and comm.world_size > 1:
@@ -249,7 +252,7 @@ def _shapes_at(bucket: dist.GradBucket, numel: int) -> dict:
     return shape_at if off == numel else {}
 
 
-def _split_bucket(state, buf, plan, shape_at, step, dense) -> torch.futures.Future:
+def _split_bucket(state, buf, plan, shape_at, step, dense, mbar=None) -> torch.futures.Future:
     """A bucket whose parameters map onto several residual layouts (a resumed run's layouts,
     DDP's rebuilt buckets): each part goes through the pipeline under its own index."""
     subs = []
@@ -265,7 +268,8 @@ def _split_bucket(state, buf, plan, shape_at, step, dense) -> torch.futures.Futu
         segs_shapes = [shape_at.get(o) for o, _ in segs]
         shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
             else tuple(s[1] for s in segs_shapes)
-        subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes, dense=dense))
+        part = None if mbar is None else torch.cat([mbar[o: o + n] for o, n in segs])
+        subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes, dense=dense, mbar=part))
     return when_all(subs, buf)
 
 
@@ -276,15 +280,28 @@ def _exchange(state, comm, bucket, buf, index: int, step: int) -> torch.futures.
     state.config_check.check(comm, index, buf, step,
                              lambda: state.config_hash(index, buf.numel(), buf.dtype, step),
                              lambda: state.config_values(index, buf.numel(), buf.dtype, step))
-    dense = step < state.start_iter or buf.numel() < state.min_compress_numel
-    if dense and not state.local_transform:
+    mbar = _shared_momentum(state, bucket, step)
+    dense = step < _start(state, step) or buf.numel() < state.min_compress_numel
+    if dense and not state.local_transform and mbar is None:
         return _averaged_allreduce(state, comm, index, step, buf)
     plan = _layout_plan(state, bucket, buf, index)
     shape_at = _shapes_at(bucket, buf.numel())
     if plan == [(index, None)]:
         shapes = tuple(s for _, s in shape_at.values())
-        return _compress_flat(state, buf, index, step, shapes=shapes, dense=dense)
-    return _split_bucket(state, buf, plan, shape_at, step, dense)
+        return _compress_flat(state, buf, index, step, shapes=shapes, dense=dense, mbar=mbar)
+    return _split_bucket(state, buf, plan, shape_at, step, dense, mbar)
+
+
+def _start(state: CompressionState, step: int) -> int:
+    """The first compressed step: ``start_iter``, or later while Adam's variance settles."""
+    return state.start_iter if state.adam is None else state.adam.start(step, state.start_iter)
+
+
+def _shared_momentum(state: CompressionState, bucket, step: int):
+    """Adam's shared momentum of the bucket's parameters once the variance froze, else None."""
+    if state.adam is None or not state.adam.active(step):
+        return None
+    return state.adam.shared_momentum(bucket.parameters())
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -327,8 +344,9 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         state.iter += 1
     comm = _begin_bucket(state, bucket, buf, index, step)
     if comm.world_size == 1 or buf.numel() == 0:
-        if state.local_transform and buf.numel():
-            local_(state, index, buf, 1, state.clip_norm)  # the momentum the optimizer no longer applies
+        mbar = _shared_momentum(state, bucket, step)
+        if (state.local_transform or mbar is not None) and buf.numel():
+            local_(state, index, buf, 1, state.clip_norm, mbar)  # the momentum the optimizer no longer applies
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:
         fut = _exchange(state, comm, bucket, buf, index, step)

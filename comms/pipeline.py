@@ -40,32 +40,40 @@ WARM_DENSE_DENSITY = 0.15
 _FP32_MAX = 3.4028234663852886e38
 
 
-def local_(st, index: int, x: torch.Tensor, div: int = 1, limit: float | None = None) -> None:
+def local_(st, index: int, x: torch.Tensor, div: int = 1, limit: float | None = None,
+           mbar: torch.Tensor | None = None) -> None:
     """This rank's share ``x / div`` (``div``: the world size where the adapter averages),
     then the local steps, in place: clip the norm to ``limit`` (``clip_norm`` scaled to this
     rank's share), then momentum correction (``x <- u = m u + x``; with the division in one
-    pass). No host sync (the clip factor stays a tensor)."""
+    pass) — or, in Adam's momentum space (``mbar``: the shared momentum), this rank's share
+    of the averaged momentum ``((1 - beta1) g + beta1 mbar) / world``. No host sync (the clip
+    factor stays a tensor)."""
+    world = div
     if st.clip_norm is not None:
         if div != 1:
             x.div_(div)
             div = 1
         norm = torch.linalg.vector_norm(x, dtype=torch.float32)
         x.mul_(torch.clamp(limit / (norm + 1e-12), max=1.0).to(x.dtype))
-    if st.momentum is not None:
+    if mbar is not None:
+        st.adam.momentum_(st.memory, index, x, mbar, div, world)
+    elif st.momentum is not None:
         st.memory.momentum_(index, x, st.momentum, div)
     elif div != 1:
         x.div_(div)
 
 
-def local_flagged(st, index: int, x: torch.Tensor, div: int, limit: float | None) -> torch.Tensor:
+def local_flagged(st, index: int, x: torch.Tensor, div: int, limit: float | None,
+                  mbar: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`local_` on a dense step, then the non-finite flag of what it sends: a NaN that
     entered the velocity must reset it like a compressed step's would."""
     st.memory.last_amax = None
-    local_(st, index, x, div, limit)
+    local_(st, index, x, div, limit, mbar)
     return nonfinite_flag(x, st.memory.last_amax)
 
 
-def feed_(st, index: int, x: torch.Tensor, div: int, limit: float | None) -> int | None:
+def feed_(st, index: int, x: torch.Tensor, div: int, limit: float | None,
+          mbar: torch.Tensor | None = None) -> int | None:
     """The local steps and error feedback in place: ``x <- local(x) + r``, with ``x + r``
     scaled down to at most ``residual_bound * |local(x)|`` when a bound is set. One compiled
     pass where possible (the division, momentum and residual; the same bits as in turn).
@@ -75,14 +83,14 @@ def feed_(st, index: int, x: torch.Tensor, div: int, limit: float | None) -> int
         :func:`nonfinite_flag`), or ``None`` where the torch path ran.
     """
     mem, bound = st.memory, st.residual_bound
-    fused = st.error_feedback and bound is None and st.clip_norm is None
+    fused = st.error_feedback and bound is None and st.clip_norm is None and mbar is None
     mem.last_amax = None
     if fused and st.momentum is not None:
         mem.momentum_residual_(index, x, st.momentum, div)
     elif fused:  # the division and the residual in one pass
         mem.div_residual_(index, x, div)
     else:
-        local_(st, index, x, div, limit)
+        local_(st, index, x, div, limit, mbar)
     if st.error_feedback and not fused:
         if bound is None:
             mem.add_residual_(index, x)
@@ -124,6 +132,9 @@ def warm_step_goes_dense(compressor, wire_bytes: int, dense_bytes: int) -> bool:
 class Delivery:
     """How one compressed step's result is settled, fixed before the algorithm runs.
 
+    ``velocity``: whether a per-rank velocity is kept (default: momentum correction is on;
+    Adam's local momentum space passes True).
+
     Attributes:
         mask: DGC's momentum masking ("sent"): zero the velocity wherever this rank sent.
         mask_held: "held" masking: zero it where the aggregate left out what this rank sent
@@ -136,9 +147,10 @@ class Delivery:
 
     __slots__ = ("mask", "mask_held", "give_back", "error_feedback")
 
-    def __init__(self, st, compressor, holds_back: bool):
+    def __init__(self, st, compressor, holds_back: bool, velocity: bool | None = None):
         sparsifies = getattr(compressor, "sparsifies", False)
-        masking = st.momentum_masking if st.momentum is not None and sparsifies else "off"
+        velocity = st.momentum is not None if velocity is None else velocity
+        masking = st.momentum_masking if velocity and sparsifies else "off"
         self.error_feedback = st.error_feedback
         self.mask = masking == "sent"
         self.give_back = holds_back and st.error_feedback and sparsifies

@@ -18,6 +18,7 @@ import warnings
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .adam import FrozenVarianceAdam, adam_family, momentum_space
 from .hook import compression_hook
 from .replicas import ReplicaGuard
 from .state import CompressionState
@@ -118,7 +119,7 @@ def check_optimizer(state: CompressionState, optimizer) -> None:
 
 
 def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
-             optimizer=None, **kwargs) -> CompressionState:
+             optimizer=None, adam_freeze="auto", **kwargs) -> CompressionState:
     """Register the compression hook on a DDP model and return its state.
 
     The state is bound to the model's parameter names (``state.bind``), so its bucket
@@ -131,18 +132,15 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
             backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
             first differing parameter. ``None``/0: off.
-        optimizer: the training optimizer (recommended). If it has SGD momentum and
-            ``momentum`` is not given, the hook takes it over (:func:`take_over_momentum`:
-            ``momentum=`` its value, and its param groups' momentum set to 0) — the default
-            way to pair SGD momentum with a biased compressor without diverging — unless the
-            compressor's ``momentum_correction`` is False (PowerSGD): then the optimizer keeps
-            it. With
+        optimizer: the training optimizer (recommended). SGD momentum is taken over as the
+            hook's momentum correction (:func:`take_over_momentum`; the optimizer's set to 0),
+            unless the compressor's ``momentum_correction`` is False (PowerSGD). With
             ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
+            Adam/AdamW with top-k, random-k or sign goes to momentum space (:mod:`comms.adam`).
+        adam_freeze: with such an Adam optimizer: ``"auto"`` (the variance freezes once it
+            settles), an int (the step it freezes at), or ``None`` (compress the gradient).
         **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
             :class:`~comms.state.CompressionState`).
-
-    Without ``optimizer`` and ``momentum`` a hook with error feedback logs a warning once: it
-    cannot know whether an optimizer's momentum will meet its residuals.
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
@@ -166,14 +164,32 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
     state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs)
     state.bind(ddp_model)
     state.replica_guard = guard
+    state.adam = adam_pairing(state, optimizer, adam_freeze)  # ValueError before anything changes
     try:
         ddp_model.register_comm_hook(state, compression_hook)
     except RuntimeError as exc:  # DDP refuses a second hook of any kind
         give_back_momentum(optimizer, taken)  # nothing half-applied
+        if state.adam is not None:
+            state.adam.remove()
         raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
                          f"{exc}") from exc
     ddp_model._commpress_state = state
     return state
+
+
+def adam_pairing(state: CompressionState, optimizer, adam_freeze):
+    """The momentum-space scheme for an Adam/AdamW ``optimizer`` and a compressor that keeps
+    error-feedback residuals (:func:`comms.adam.momentum_space`); ``None`` otherwise or when
+    ``adam_freeze`` is ``None`` (the gradient path)."""
+    if adam_freeze is None or optimizer is None or not adam_family(optimizer):
+        return None
+    if not momentum_space(state.compressor, state.error_feedback):
+        return None
+    mode = "local" if getattr(state.compressor, "sparsifies", False) else "shared"
+    adam = FrozenVarianceAdam(optimizer, mode=mode, freeze=adam_freeze,
+                              min_steps=max(10, state.start_iter + state.warmup_steps + 1))
+    adam.comm_fn, adam.iter_fn = state.comm, (lambda: state.iter)
+    return adam
 
 
 def _is_fsdp2(model) -> bool:

@@ -128,11 +128,11 @@ class CompressionState(OptionsView):
         "process_group", "communicator", "options", "memory", "iter", "algorithm", "planner",
         "min_compress_numel", "stats", "algo_store", "dense_calls", "layout_tracker",
         "param_names", "nonfinite_buckets", "config_check", "flags", "_warned_nonfinite",
-        "replica_guard", "__weakref__",
+        "replica_guard", "adam", "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
-                  "__weakref__")
+                  "adam", "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, start_iter: int = 2,
@@ -161,6 +161,7 @@ class CompressionState(OptionsView):
         self.nonfinite_buckets = 0
         self._warned_nonfinite = False
         self.replica_guard = None    # comms.replicas.ReplicaGuard, set by register()
+        self.adam = None             # comms.adam.FrozenVarianceAdam, set by register()
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -282,6 +283,9 @@ class CompressionState(OptionsView):
             "nonfinite_buckets": self.nonfinite_buckets,
             # the auto planner's locked plan: a resumed run does not re-tune
             "planner": self.planner.state_dict() if self.algorithm == "auto" else None,
+            # Adam's momentum space: when the variance froze (the momentum itself is the
+            # optimizer's exp_avg, in the optimizer's state_dict)
+            "adam": None if self.adam is None else self.adam.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
@@ -309,6 +313,8 @@ class CompressionState(OptionsView):
         self.layout_tracker.layouts = {int(b): tuple(lay) for b, lay in sd.get("layouts", {}).items()}
         self.layout_tracker.restored = True
         self.nonfinite_buckets = int(sd.get("nonfinite_buckets", 0))
+        if self.adam is not None and sd.get("adam") is not None:
+            self.adam.load_state_dict(sd["adam"])
         self._reset_transient()
 
     def __getstate__(self):
@@ -319,6 +325,7 @@ class CompressionState(OptionsView):
         self.process_group = None
         self.communicator = None
         self.replica_guard = None
+        self.adam = None
         self._reset_transient()
         for k, v in st.items():
             setattr(self, k, v)
