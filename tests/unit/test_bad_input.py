@@ -1,4 +1,4 @@
-"""Bad input (issue 6, item 5): each a ValueError/TypeError naming the value, raised before
+"""Bad input: each a ValueError/TypeError naming the value, raised before
 any communication; world size 1 and empty buckets need no communication at all."""
 
 import pickle

@@ -1,5 +1,5 @@
 """CPU checks (a fake CuPy) of the loader's per-device bookkeeping and of how the GPU suite
-reacts to a compile failure: the fixes of issue 13 that only a multi-GPU machine would show."""
+reacts to a compile failure: behaviour that otherwise only a multi-GPU machine would show."""
 
 import types
 

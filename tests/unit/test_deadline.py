@@ -105,7 +105,7 @@ def _done(v):
 
 
 def test_garbage_from_a_dead_peer_reports_the_peer_not_the_decode():
-    # issue 18 (topk allgather, stopped peer): a collective handed back garbage and the decode
+    # topk allgather, stopped peer: a collective handed back garbage and the decode
     # raised; the step's flag allreduce counted 1 rank of 3: that is the error backward() gets
     msg = _step_with_garbled_bucket(flags_ok=False)
     assert msg.startswith("commpress: non-finite-flag allreduce") and "rank count of 1 instead of 3" in msg

@@ -1,5 +1,5 @@
 """FSDPCompressionState without process groups: option validation, weights_only state_dict,
-load validation (issue 15)."""
+load validation."""
 
 import io
 

@@ -1,4 +1,4 @@
-"""Issue 17 options: momentum correction, masking, clipping, the residual bound, the optimizer
+"""The training options: momentum correction, masking, clipping, the residual bound, the optimizer
 pairing — validation before any communication, the local arithmetic, and the checkpoint."""
 
 import io

@@ -1,4 +1,4 @@
-"""Issue 17: sign and QSGD scales that respect tensor boundaries (``align="tensor"``).
+"""Sign and QSGD scales that respect tensor boundaries (``align="tensor"``).
 
 With the bucket's shapes in the context, the payload is the per-tensor flat payloads one after
 another; every entry point (decompress, decompress_into, decompress_add_) decodes it the same

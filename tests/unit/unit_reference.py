@@ -197,7 +197,7 @@ def topk_compress(x: torch.Tensor, density: float, exact: bool, sample: float,
 
 
 def topk_exact_compress(x: torch.Tensor, density: float):
-    """Exact top-k contract (issue 11): the k largest |x| compared as |x|'s bits (NaN above
+    """Exact top-k contract: the k largest |x| compared as |x|'s bits (NaN above
     inf), ties at the k-th magnitude broken toward the lowest indices; indices ascending."""
     x = x.reshape(-1)
     n = x.numel()
