@@ -18,7 +18,8 @@
 //       Bytes/element: E + b/8 + 4/chunk (read x, write codes and scales).
 //   chunk_absmax(const void* x, int dtype, i64 n, i64 chunk, i64 nchunks, float* scales)
 //       scales[c] = max|x| over chunk c (NaN propagates like torch.amax). One block per chunk,
-//       grid-stride over chunks. Bytes/element: E + 4/chunk.
+//       grid-stride over chunks; groups of 8 by 16-byte loads when chunk % 8 == 0 and x is
+//       16-byte aligned. Bytes/element: E + 4/chunk.
 //   qsgd_quantize_fused(const void* x, int dtype, i64 n, i64 chunk, i64 nchunks, int bits,
 //                       u32 key, float* scales, u8* packed, i64 nbytes)
 //       chunks with chunk % 8 != 0 but (chunk * bits) % 32 == 0: max-abs, then encode + pack by
@@ -40,6 +41,12 @@
 
 #define QSGD_CACHE_GROUPS 4  // groups of 8 per thread in registers: 8192 elements at 256 threads
 
+__device__ __forceinline__ float group_absmax(float mx, const float v[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) mx = max_nan(mx, fabsf(v[k]));
+    return mx;
+}
+
 // OR the per-lane shifted codes of each aligned group of (32/bits) lanes: every lane of the
 // group ends up with the group's 32-bit word.
 __device__ __forceinline__ u32 group_or(u32 v, int per_word) {
@@ -58,11 +65,22 @@ __device__ __forceinline__ void store_word(u8* packed, i64 word, u32 v, i64 nbyt
 
 extern "C" __global__ void chunk_absmax(const void* x, int dtype, i64 n, i64 chunk, i64 nchunks,
                                         float* scales) {
+    // groups of 8 by vector loads where the chunk starts on a group (chunk % 8 == 0, x 16-byte
+    // aligned); element-wise otherwise
+    const bool vec = aligned_to(x, 16) && (chunk & 7) == 0;
     for (i64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
         i64 start = c * chunk;
         i64 m = min(chunk, n - start);
         float v = 0.0f;
-        for (i64 j = threadIdx.x; j < m; j += blockDim.x) v = max_nan(v, fabsf(load_f32(x, start + j, dtype)));
+        if (vec) {
+            for (i64 g = threadIdx.x; g < ((m + 7) >> 3); g += blockDim.x) {
+                float w[8];
+                load_group(x, start + 8 * g, n, dtype, true, w);
+                v = group_absmax(v, w);
+            }
+        } else {
+            for (i64 j = threadIdx.x; j < m; j += blockDim.x) v = max_nan(v, fabsf(load_f32(x, start + j, dtype)));
+        }
         v = block_reduce_max_nan(v);
         if (threadIdx.x == 0) scales[c] = v;
     }
@@ -125,12 +143,6 @@ __device__ __forceinline__ unsigned long long qsgd_group_codes(const float v[8],
     for (int k = 0; k < 8; ++k)
         if (i + k < n) g |= (unsigned long long)qsgd_code(v[k], r, half, M, (u32)(i + k), key) << (k * bits);
     return g;
-}
-
-__device__ __forceinline__ float group_absmax(float mx, const float v[8]) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) mx = max_nan(mx, fabsf(v[k]));
-    return mx;
 }
 
 extern "C" __global__ void qsgd_encode_chunks(const void* x, int dtype, i64 n, i64 chunk, i64 nchunks, int bits,

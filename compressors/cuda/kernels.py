@@ -173,14 +173,12 @@ def qsgd_decompress(scales: torch.Tensor, packed: torch.Tensor, bits: int, chunk
 
 
 def pack(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None, ws=None) -> torch.Tensor:
-    """Pack uint8 codes (``bitpack.pack`` layout). ``out`` must be 4-byte aligned."""
+    """Pack uint8 codes (``bitpack.pack`` layout) into ``out`` (any alignment) or a new buffer."""
     n, idx = codes.numel(), _dev(codes)
-    if out is not None and out.data_ptr() % 4:  # the kernel stores 32-bit words
-        return out.copy_(pack(codes, bits))
     if out is None:
         out = _packed_buffer(n, bits, codes.device)
     if n:
-        _backend.launch("pack_bits", idx, _backend.grid_for(n, idx),
+        _backend.launch("pack_bits", idx, _backend.grid_for(_groups(n), idx),
                       (codes, _i64(n), np.int32(bits), out, _i64(_packed_nbytes(n, bits))))
     return out
 
@@ -192,7 +190,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = N
     if out is None:
         out = torch.empty(n, dtype=torch.uint8, device=packed.device)
     if n:
-        _backend.launch("unpack_bits", idx, _backend.grid_for(n, idx), (packed, _i64(n), np.int32(bits), out))
+        _backend.launch("unpack_bits", idx, _backend.grid_for(_groups(n), idx), (packed, _i64(n), np.int32(bits), out))
     return out
 
 

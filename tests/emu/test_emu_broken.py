@@ -89,8 +89,8 @@ def test_missing_syncthreads_in_block_reduce_is_caught(emu, emu_lib, emu_build):
 
 def test_shifted_pack_index_is_caught(emu, emu_build):
     broken = cuda_emu.EmuLibrary(emu_build(altered(
-        "pack.cu", "((u32)codes[i] & mask) << ((u32)(i % per_word) * bits)",
-        "((u32)codes[i] & mask) << ((u32)((i + 1) % per_word) * bits)")))
+        "pack.cu", "out |= ((in >> (8 * k)) & mask) << (k * bits);",
+        "out |= ((in >> (8 * k)) & mask) << (((k + 1) & 7) * bits);")))
     emu(lib=broken)
     codes = torch.randint(0, 4, (1000,), dtype=torch.uint8)
     assert not torch.equal(kernels.pack(codes, 2), bitpack.pack(codes, 2))
@@ -164,8 +164,8 @@ def test_asan_run_of_the_real_kernels(emu_build):
 
 def test_asan_sees_an_out_of_bounds_tail_write(emu_build):
     # the tail of the packed stream is written bytewise up to nbytes; one byte too far
-    r = _asan(emu_build, altered("pack.cu", "for (int j = 0; j < 4 && b + j < nbytes; ++j) packed[b + j]",
-                                 "for (int j = 0; j < 4 && b + j <= nbytes; ++j) packed[b + j]"), "pack-tail")
+    r = _asan(emu_build, altered("common.cuh", "for (int b = 0; b < bits && off + b < nbytes; ++b) packed[off + b]",
+                                 "for (int b = 0; b < bits && off + b <= nbytes; ++b) packed[off + b]"), "pack-tail")
     assert r.returncode == 66 and "AddressSanitizer" in r.stderr and "WRITE of size 1" in r.stderr, \
         r.stdout[-2000:] + r.stderr[-4000:]
 
