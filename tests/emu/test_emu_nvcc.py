@@ -54,3 +54,4 @@ def test_vectorised_kernels_use_16_byte_accesses(compiled):
     for name in VECTORISED:
         assert re.search(r"(ld|st)\.global(\.nc)?\.v4\.", bodies[name]), f"{name}: no 16-byte global access"
     assert "atom.global.add.f32" not in ptx  # no float atomics anywhere (subnormals would flush)
+    assert "fma.rn.f32" not in ptx  # --fmad=false: no contracted multiply-add (bits would differ)
