@@ -129,6 +129,15 @@ def run(sizes, reps: int, device=None, timer=None):
                 us = _time_us(lambda: kernels.unpack(packed, bits, n), reps)
                 row(f"unpack {bits}b", n, us, pb + n, copy_gbs)
 
+        # 4 bits at its default chunk (256: one-warp blocks)
+        q4 = compressors.QSGD(bits=4, chunk=256)
+        pb4, nch4 = (n * 4 + 7) // 8, q4.nchunks(n)
+        us = _time_us(lambda: kernels.qsgd_compress(x, 4, 256, key), reps)
+        row("qsgd quantize 4b chunk 256", n, us, 4 * n + pb4 + 4 * nch4, copy_gbs, None, "default 4-bit chunk", pct=60)
+        s4, p4 = kernels.qsgd_compress(x, 4, 256, key)
+        us = _time_us(lambda: kernels.qsgd_decompress(s4, p4, 4, 256, n, torch.float32), reps)
+        row("qsgd dequantize 4b chunk 256", n, us, pb4 + 4 * nch4 + 4 * n, copy_gbs, None, "", pct=60)
+
         # naive torch 8-bit stochastic quantization (the published baseline style)
         def naive8():  # one global scale, rand_like: what a plain torch port does
             s = x.abs().max()
