@@ -177,13 +177,19 @@ class FrozenVarianceAdam:
     def _pre_step(self, opt, args, kwargs):
         if not self.frozen:
             return None
+        # ``args`` is (optimizer, *positional arguments of step)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:  # Lightning and friends run backward inside step(): run it first
+            with torch.enable_grad():
+                loss = closure()
+            args, kwargs = args[:1], {**kwargs, "closure": lambda: loss}
         with torch.no_grad():
             for group in opt.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
                         self._frozen_update(p, group)
                         p.grad = None  # applied: Adam's own step skips it
-        return None
+        return (args, kwargs) if closure is not None else None
 
     def _frozen_update(self, p: torch.Tensor, group: dict) -> None:
         """``p`` from the averaged momentum in ``p.grad`` and the frozen variance; elementwise

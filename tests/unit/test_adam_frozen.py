@@ -55,3 +55,27 @@ def test_frozen_update_is_adamw_with_the_frozen_variance(mode):
     assert torch.equal(opt.state[p]["exp_avg_sq"], v)  # frozen
     assert torch.equal(opt.state[p]["exp_avg"], m) and p.grad is None
     adam.remove()
+
+
+def test_a_closure_runs_before_the_frozen_update():
+    # Lightning calls optimizer.step(closure): backward happens inside step
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.0)
+    adam = FrozenVarianceAdam(opt, freeze=1)
+    p.grad = torch.ones(4)
+    opt.step()
+    adam._freeze(1)
+    before = p.detach().clone()
+
+    def closure():
+        opt.zero_grad()
+        loss = (p * 2.0).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert float(loss.detach()) == float((before * 2.0).sum())
+    v = opt.state[p]["exp_avg_sq"]
+    want = before - 2.0 / ((v / (1 - 0.999)).sqrt() + 1e-8) * (0.1 / (1 - 0.9 ** 2))
+    torch.testing.assert_close(p.detach(), want)
+    adam.remove()
