@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-__all__ = ["TASKS", "TARGETS", "target_for", "load_stdlib_text", "main"]
+__all__ = ["TASKS", "TARGETS", "target_for", "load_stdlib_text", "task_floor", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -302,8 +302,38 @@ class Digits25MTask(DigitsTask):
         return float(t[0] / t[1])
 
 
+class CharLM12MTask(CharLMTask):
+    """``charlm``'s text and evaluation with ddp_step's TinyLM at width 512, depth 4 (4 heads,
+    128 characters, sequences of 64: 12.7M parameters), AdamW lr 1e-3, batch 8 per rank, one
+    DDP bucket for every hook (torch's powerSGD_hook needs it on gloo). Big enough that the
+    link matters: at 1 Gb/s a dense step moves ~51 MB per rank (~0.4 s) against ~0.3 s of
+    compute (the time-to-quality transformer with AdamW)."""
+
+    name = "charlm12m"
+    default_steps = 150
+    # torch's fp16 and PowerSGD hooks next to our default path, one row per compressor the
+    # momentum-space scheme (sign, top-k) or the gradient path (QSGD, fp16) serves
+    ttq_hooks = ("torch-psgd-r1,torch-fp16,default(sign),default(topk1%),default(qsgd4),"
+                 "default(qsgd8),default(fp16)")
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.width = getattr(args, "width", None) or 512
+        self.depth = getattr(args, "depth", None) or 4
+        self.batch = args.batch or 8
+        self.lr = args.lr or 1e-3
+        numel = sum(p.numel() for p in self.model().parameters())
+        self.bucket_cap_mb = math.ceil(numel * 4 / 2 ** 20 * 1.1) + 1  # the whole model: one bucket
+
+    def model(self) -> nn.Module:
+        from ddp_step import TinyLM
+
+        torch.manual_seed(self.seed)
+        return TinyLM(width=self.width, depth=self.depth, vocab=self.vocab, seq=self.seq, heads=4)
+
+
 TASKS = {"digits": DigitsTask, "charlm": CharLMTask, "oddconv": OddConvTask,
-         "digits25m": Digits25MTask}
+         "digits25m": Digits25MTask, "charlm12m": CharLM12MTask}
 
 
 # -- training -------------------------------------------------------------------------------
@@ -518,7 +548,9 @@ def ttq_main(rank: int, world: int, args, configs, skipped):
                   f"({run['algorithm']})", flush=True)
     width, depth = getattr(task, "width", None), getattr(task, "depth", None)
     floor = None
-    if width:  # the same MLP without DDP on every rank at once (ddp_step's floor, reused)
+    if not getattr(task, "floor_model", None):  # the task's own model and optimizer, no DDP
+        floor = task_floor(task, args, rank, world) if width else None
+    elif width:  # the same MLP without DDP on every rank at once (ddp_step's floor, reused)
         fa = argparse.Namespace(model=task.floor_model, width=width, depth=depth, seed=0, batch=task.batch,
                                 warmup=3, steps=args.floor_steps)
         floor = measure_floor(fa, rank, world)
@@ -545,6 +577,8 @@ def ttq_main(rank: int, world: int, args, configs, skipped):
             r[col] = base / r["_secs"] if base and r["_secs"] else None
     if floor is not None:
         rows.append({"hook": FLOOR, "path": "no DDP", "algorithm": "none", "step_ms": floor["step_ms"]})
+        for r in rows:
+            r["vs_floor"] = r["step_ms"] / floor["step_ms"] if r["step_ms"] else None
     print(tables.format_table(rows, TTQ_COLUMNS), flush=True)
     print(f"# dense final loss {dense_final:.4g}; load after: {load_after}", flush=True)
     if args.out:
@@ -553,10 +587,38 @@ def ttq_main(rank: int, world: int, args, configs, skipped):
     return rows
 
 
+def task_floor(task, args, rank: int, world: int) -> dict:
+    """The compute floor of ``task``: its own model, optimizer and batches trained without DDP
+    on every rank at once (world size 1, no communication, the cores shared as in the DDP
+    rows): 3 warm-up steps, then ``--floor-steps`` steps; the median of the per-step max over
+    ranks."""
+    import time
+
+    import torch.distributed as dist
+
+    from ddp_step import FLOOR
+
+    model = task.model()
+    opt = task.optimizer(model.parameters())
+    times = []
+    for step in range(3 + args.floor_steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        x, y = task.batch_at(step, rank, world)
+        opt.zero_grad(set_to_none=False)
+        task.loss(model(x), y).backward()
+        opt.step()
+        if step >= 3:
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    return {"hook": FLOOR, "algorithm": "none", "step_ms": 1e3 * statistics.median(t.tolist())}
+
+
 def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_before,
                load_after) -> None:
     out = args.out
-    tables.write_csv(out + ".csv", rows, TTQ_COLUMNS + ["final_loss"])
+    tables.write_csv(out + ".csv", rows, TTQ_COLUMNS + ["final_loss", "vs_floor"])
     tables.write_csv(out + "_curves.csv",
                      [{"hook": h, "step": s, "seconds": t, "loss": v}
                       for h, run in runs.items() for (s, v), t in zip(run["curve"], run["times"])],
@@ -568,7 +630,9 @@ def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_
           f"Machine: {machine.machine_facts()}.", "",
           f"Load: before `{load_before}`; after `{load_after}`.", "",
           f"Task `{task.name}`: {' '.join((task.__doc__ or '').split())}"
-          + (f" Here: width {task.width}, depth {task.depth}." if getattr(task, "width", None) else "")
+          + (f" Here: width {task.width}, depth {task.depth}, "
+             f"{sum(p.numel() for p in task.model().parameters()) / 1e6:.2f}M parameters."
+             if getattr(task, "width", None) else "")
           + f" Dense trains {steps} steps; every other hook trains until its smoothed loss reaches "
           f"dense's final loss (`stop` = reached) or for {args.budget:g}x dense's wall time (`stop` = "
           f"budget; at most {args.max_steps_factor:g}x dense's steps, `stop` = steps): a hook that "
@@ -593,12 +657,20 @@ def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_
           "sending the row's wire bytes on the same links in the same run (the wire-time floor).",
           ""]
     if floor is not None:
+        how = ("`bench/ddp_step.py`'s `measure_floor`" if getattr(task, "floor_model", None) else
+               f"`task_floor`: the task's own optimizer and batches, {args.floor_steps} steps "
+               f"after 3 warm-up steps")
         md += [f"Floor (same run): `{floor['hook']}` — the same model and batch trained without "
-               f"DDP on every rank at once (world size 1, no communication; "
-               f"`bench/ddp_step.py`'s `measure_floor`), median step {floor['step_ms']:.0f} ms: "
-               f"no hook's step can beat it.", ""]
+               f"DDP on every rank at once (world size 1, no communication; {how}), median step "
+               f"{floor['step_ms']:.0f} ms: "
+               f"no hook's step can beat it; `vs_floor` = a row's step / the floor's.", ""]
+    dense = next(r for r in rows if r["hook"] == "dense")
+    if dense.get("raw_ms"):
+        md += [f"Wire floor of a dense step (same run): {dense['wire_MB']:.1f} MB per rank in one "
+               f"plain gloo allreduce on the same links takes {dense['raw_ms']:.1f} ms (dense's "
+               f"`raw_ms`): the communication a dense step cannot avoid.", ""]
     md += [f"Skipped: {what} — {why}" for what, why in skipped] + ([""] if skipped else [])
-    md.append(tables.format_table(rows, TTQ_COLUMNS, markdown=True))
+    md.append(tables.format_table(rows, TTQ_COLUMNS + (["vs_floor"] if floor else []), markdown=True))
     md += ["", f"![{os.path.basename(png)}]({os.path.basename(png)})"]
     tables.write_text(out + ".md", "\n".join(md) + "\n")
 
@@ -688,14 +760,16 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     launching.add_launch_args(p)
     p.add_argument("--tasks", default=None,
-                   help="comma-separated: digits, charlm, oddconv, digits25m (default: the first "
-                        "three; with --time-to-quality: digits25m)")
+                   help="comma-separated: digits, charlm, oddconv, digits25m, charlm12m (default: the "
+                        "first three; with --time-to-quality: digits25m)")
     p.add_argument("--time-to-quality", action="store_true",
                    help="time-to-quality mode (implied by --netsim): one task (default digits25m), "
                         f"hooks {TTQ_HOOKS.replace('%', '%%')!r} unless --hooks; loss against wall-clock seconds and "
                         "per hook the time to reach dense's final loss, with the floors of the run")
-    p.add_argument("--width", type=int, default=None, help="digits25m: MLP width (2048)")
-    p.add_argument("--depth", type=int, default=None, help="digits25m: MLP layers (6)")
+    p.add_argument("--width", type=int, default=None,
+                   help="digits25m: MLP width (2048); charlm12m: transformer width (512)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="digits25m: MLP layers (6); charlm12m: transformer layers (4)")
     p.add_argument("--budget", type=float, default=1.0,
                    help="time-to-quality: every hook after dense trains until its smoothed loss "
                         "reaches dense's final loss, or for BUDGET x dense's wall time (default 1: "
@@ -754,7 +828,7 @@ def main(argv: list[str] | None = None):
         args.tasks = "digits25m" if args.time_to_quality else "digits,charlm,oddconv"
         argv = [*argv, "--tasks", args.tasks]
     if args.time_to_quality and args.hooks is None and args.specs is None:
-        args.hooks = TTQ_HOOKS
+        args.hooks = getattr(TASKS.get(args.tasks), "ttq_hooks", TTQ_HOOKS)
         argv = [*argv, "--hooks", args.hooks]
     if args.out is None:
         link = args.link or args.netsim or "unshaped"
