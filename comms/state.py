@@ -31,7 +31,7 @@ from .communicator import Communicator, TorchCommunicator
 from .config_check import ConfigCheck
 from .layouts import LayoutTracker
 from .local_memory import LocalMemory
-from .options import OPTION_FIELDS, OptionsView, PipelineOptions
+from .options import OptionsView, PipelineOptions
 from .stats import BucketStats, stats_rows
 from .step_flags import StepFlags
 
