@@ -135,6 +135,12 @@ __device__ __forceinline__ u32 get_code(const u8* packed, i64 i, int bits) {
     return ((u32)packed[bitpos >> 3] >> (u32)(bitpos & 7)) & ((1U << bits) - 1U);
 }
 
+// i / chunk in 32-bit arithmetic where both fit (a 64-bit division is a long subroutine on the
+// GPU, paid once per group of 8 by the decode kernels)
+__device__ __forceinline__ i64 chunk_of(i64 i, i64 chunk) {
+    return (i | chunk) < 0x80000000LL ? (i64)((u32)i / (u32)chunk) : i / chunk;
+}
+
 struct alignas(16) vec4u { u32 x, y, z, w; };
 struct alignas(8) vec2u { u32 x, y; };
 

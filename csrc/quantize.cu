@@ -203,7 +203,7 @@ extern "C" __global__ void qsgd_dequantize(const u8* packed, const float* scales
         const i64 i = g << 3;
         const unsigned long long codes = load_code_group(packed, g * bits, bits, pvec, nbytes);
         float v[8];
-        float s = scales[i / chunk], w = qsgd_step(s, M);
+        float s = scales[chunk_of(i, chunk)], w = qsgd_step(s, M);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             if (!chunk8 && k > 0 && i + k < n && (i + k) % chunk == 0) {  // a chunk starts inside the group

@@ -42,7 +42,7 @@ extern "C" __global__ void shared_scale_encode(const void* x, int dtype, i64 n, 
         const i64 i = g << 3;
         float v[8], t[8];
         load_group(x, i, n, dtype, xvec, v);
-        i64 c = i / chunk;
+        i64 c = chunk_of(i, chunk);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             if (!chunk8 && k > 0 && i + k < n && (i + k) % chunk == 0) c = (i + k) / chunk;
@@ -109,7 +109,7 @@ extern "C" __global__ void shared_scale_decode(const void* q, int q_is_int32, i6
                 iv[k] = i + k >= n ? 0 : q_is_int32 ? ((const int*)q)[i + k] : (int)((const signed char*)q)[i + k];
         }
         float v[8];
-        i64 c = i / chunk;
+        i64 c = chunk_of(i, chunk);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             if (!chunk8 && k > 0 && i + k < n && (i + k) % chunk == 0) c = (i + k) / chunk;

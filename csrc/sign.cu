@@ -63,7 +63,7 @@ extern "C" __global__ void sign_decode(const u8* packed, const float* scales, i6
     for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < ngroups; g += stride) {
         const i64 i = g << 3;
         const u32 byte = packed[g];
-        float s = scales[i / chunk], v[8];
+        float s = scales[chunk_of(i, chunk)], v[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             if (!chunk8 && k > 0 && i + k < n && (i + k) % chunk == 0) s = scales[(i + k) / chunk];
