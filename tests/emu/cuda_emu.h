@@ -316,7 +316,7 @@ template <class Out, class In> inline Out emu::ptx_asm(const char* text, In in) 
     return emu::from_bits<Out>(emu::ptx_bits(text, emu::to_bits(in), sizeof(In), sizeof(Out)));
 }
 
-// -- launch glue (used by the generated exports; see emu.py) ------------------------------------
+// -- launch glue (used by the generated exports; see cuda_emu.py) -------------------------------
 namespace emu {
 
 struct LaunchCfg {
