@@ -96,16 +96,17 @@ class FakeBackend:
     def grid_for(self, work_items, index, per_block=None, blocks_per_sm=16):
         return 1
 
-    def launch(self, name, index, grid, args, shared_mem=0):
+    def launch(self, name, index, grid, args, shared_mem=0, block=None):
         self.launches.append((name, shared_mem))
 
 
-@pytest.mark.parametrize("static,chunk,fits", [(144, 12280, False), (0, 12280, True), (144, 12240, True),
-                                               (144, 12244, True), (144, 12248, False)])
-def test_two_phase_shared_memory_counts_static(monkeypatch, static, chunk, fits):
-    """bits 8, chunk 12280, world 4 is 48 KiB of dynamic shared memory exactly: with the 144 B
-    of static shared memory the block does not fit, so dispatch declines (the torch path runs)
-    instead of launching a kernel that fails with no fallback."""
+@pytest.mark.parametrize("static,world,chunk,fits", [(144, 6127, 64, False), (0, 6127, 64, True),
+                                                     (144, 6126, 64, True), (144, 4, 60, False)])
+def test_two_phase_shared_memory_counts_static(monkeypatch, static, world, chunk, fits):
+    """The owner kernel keeps 8 B of dynamic shared memory per rank: 6127 ranks are 49016 B,
+    which with the 144 B of static shared memory no longer fit 48 KiB, so dispatch declines
+    (the torch path runs) instead of launching a kernel that fails with no fallback; a chunk
+    that is not a multiple of 8 declines too."""
     import compressors
 
     be = FakeBackend(static)
@@ -113,11 +114,11 @@ def test_two_phase_shared_memory_counts_static(monkeypatch, static, chunk, fits)
     try:
         monkeypatch.setattr(dispatch, "enabled_for", lambda *ts: True)
         q = compressors.QSGD(bits=8, chunk=chunk)
-        m, world = chunk, 4
+        m = chunk
         recv = torch.zeros(world * (4 + m), dtype=torch.uint8)
         out = alg_cuda.two_phase_qsgd_owner(q, recv, world, m, compressors.Context(numel=m))
         assert (out is not None) == fits
-        assert be.launches == ([("two_phase_qsgd_owner", 4 * (chunk + 2 * world))] if fits else [])
+        assert be.launches == ([("two_phase_qsgd_owner", 8 * world)] if fits else [])
     finally:
         kernels.set_backend(prev)
 
