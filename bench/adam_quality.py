@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             load = f"{before:.2f} -> {os.getloadavg()[0]:.2f}"
             for r in new:
                 r.update(meta, load=load)
-                print(f"world {world} seed {seed} {r['row']:36s} final {r['final_loss']:.4f} "
+                print(f"# world {world} seed {seed} {r['row']:36s} final {r['final_loss']:.4f} "
                       f"ratio {r['ratio']:.4f} replicas {r['replicas']} freeze "
                       f"{r['freeze_iter']} {r['train_s']:.0f}s", flush=True)
             recs = _merge(recs, new)
