@@ -170,7 +170,8 @@ class FrozenVarianceAdam:
                 x.div_(div)
             return x.mul_(1.0 - self.beta1).add_(mbar.to(x.dtype), alpha=self.beta1 / world)
         if memory.velocity(index, x) is None:
-            memory.velocities[index] = mbar.to(x.dtype).div((1.0 - self.beta1) * world)
+            memory.velocities[index] = torch.zeros_like(x) if mbar.numel() != x.numel() else \
+                mbar.to(x.dtype).div((1.0 - self.beta1) * world)
         return memory.momentum_(index, x, self.beta1, div)
 
     # -- the optimizer side -------------------------------------------------------------
@@ -214,7 +215,9 @@ class FrozenVarianceAdam:
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
                 if st and "exp_avg_sq" in st:
-                    total += float(st["exp_avg_sq"].sum(dtype=torch.float64))
+                    v = st["exp_avg_sq"]
+                    v = v.to_local() if hasattr(v, "to_local") else v  # FSDP2: this rank's shard
+                    total += float(v.sum(dtype=torch.float64))
                     t = float(st["step"])
         return total / (1.0 - self.beta2 ** t) if t else 0.0
 

@@ -67,7 +67,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .fsdp_comms import CompressedReduceScatter, ReplicateAllReduce
 from .fsdp_state import FSDP_CONFIG_FIELDS, FSDPCompressionState
-from .register import give_back_momentum, pair_optimizer, replica_guard
+from .register import adam_pairing, give_back_momentum, pair_optimizer, replica_guard
 
 __all__ = ["register", "FSDPCompressionState", "CompressedReduceScatter", "ReplicateAllReduce",
            "FSDP_CONFIG_FIELDS", "fsdp_modules"]
@@ -127,6 +127,15 @@ def _checked_modules(model, probe: FSDPCompressionState, replicate_group):
     return mods, [_check_module(probe, fqn, m, replicate_group) for fqn, m in mods]
 
 
+def _attach(state, mods, factors, guard, optimizer, adam_freeze) -> None:
+    """The state's modules, divide factors, replica guard and Adam's momentum space."""
+    state.modules, state.divide_factors = [fqn for fqn, _ in mods], factors
+    state.replica_guard = guard
+    if getattr(state.compressor, "sparsifies", False):  # sign's shared momentum needs it gathered
+        state.adam = adam_pairing(state, optimizer, adam_freeze, lambda: state.comm_for(None),
+                                  lambda: max(state.steps.values(), default=0))
+
+
 def _equip(state: FSDPCompressionState, mods) -> None:
     """Change the (validated) modules: sums everywhere, FSDP divides once afterwards."""
     for i, (fqn, m) in enumerate(mods):
@@ -142,7 +151,8 @@ def _equip(state: FSDPCompressionState, mods) -> None:
 
 
 def register(model: torch.nn.Module, compressor, *, replicate_group=None, algorithm: str | None = None,
-             optimizer=None, check_replicas_every: int | None = None, **options) -> FSDPCompressionState:
+             optimizer=None, check_replicas_every: int | None = None, adam_freeze="auto",
+             **options) -> FSDPCompressionState:
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
     Call after ``fully_shard`` and before the first backward, on every rank with the same
@@ -158,11 +168,11 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
             group (see the module docstring).
         algorithm: ``None``: compress every call; ``"auto"``: per module, dense or compressed
             by measured calls; HSDP: also ``"allreduce"``, ``"allgather"``, ``"two_phase"``.
-        optimizer: the training optimizer, paired as :func:`comms.register` does (SGD
-            momentum becomes the pipeline's momentum correction; the optimizer's is set to 0).
-        check_replicas_every: ``N`` > 0 compares parameters at every ``N``-th step (HSDP: the
-            shards across the replicate group; FSDP: the gathered parameters) and raises
-            :class:`comms.ReplicaMismatchError` on every rank. ``None``/0: off.
+        optimizer: paired as :func:`comms.register` does (SGD momentum taken over; Adam(W)
+            with top-k/random-k in momentum space, a velocity per rank from 0 at the freeze).
+        adam_freeze: as in :func:`comms.register`.
+        check_replicas_every: ``N`` > 0 compares parameters every ``N`` steps (HSDP: the
+            replicas' shards; FSDP: the gathered parameters); ``None``/0: off.
         **options: :class:`~comms.options.PipelineOptions` (``error_feedback``, ``seed``,
             ``start_iter`` — default 0 —, ``timeout``, ``momentum``, ``momentum_masking``,
             ``clip_norm``, ``residual_bound``, ``warmup_steps``).
@@ -190,12 +200,13 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     mods, factors = _checked_modules(model, probe, replicate_group)
     state, taken = pair_optimizer(optimizer, lambda **kw: FSDPCompressionState(
         compressor, replicate_group=replicate_group, algorithm=algorithm, **kw), options)
-    state.modules, state.divide_factors = [fqn for fqn, _ in mods], factors
-    state.replica_guard = guard
+    _attach(state, mods, factors, guard, optimizer, adam_freeze)
     try:
         _equip(state, mods)
     except Exception:
         give_back_momentum(optimizer, taken)
+        if state.adam is not None:
+            state.adam.remove()
         raise
     model._commpress_fsdp_state = state
     logger.info("commpress: %s on %d FSDP modules (%s), error feedback %s", state.compressor.spec(),

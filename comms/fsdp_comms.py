@@ -95,9 +95,10 @@ class _ModuleStep:
         """Local steps of a dense call (and a drain share); the flag when the module keeps
         per-rank memory a NaN must reset, else ``None``."""
         st, idx = self.state, self.index
-        if not (st.local_transform or idx in st.memory.draining):
+        mbar = _velocity_start(st, st.steps.get(idx, 0))
+        if not (st.local_transform or idx in st.memory.draining or mbar is not None):
             return None
-        flag = local_flagged(st, idx, x, 1, st.clip_limit(idx, world))
+        flag = local_flagged(st, idx, x, 1, st.clip_limit(idx, world), mbar)
         st.memory.drain_step_(idx, x)
         return flag
 
@@ -138,8 +139,8 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         st, idx, world = self.state, self.index, comm.world_size
         if route == DENSE:
             return self._dense(comm, x, out, step, divide, self._dense_flag(x, world), "dense")
-        comp = st.compressor_at(step)
-        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world)))
+        comp = st.compressor_for(step)
+        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world), _velocity_start(st, step)))
         m = out.numel()
         if comp is not st.compressor and warm_step_goes_dense(
                 comp, (world - 1) * (comp.wire_bytes(m, x.dtype) + 1), (world - 1) * m * x.element_size()):
@@ -183,6 +184,16 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         st.reset_flagged_(idx, flagged)
 
 
+_NO_MOMENTUM = torch.zeros(0)
+
+
+def _velocity_start(st, step: int):
+    """Adam's momentum space on FSDP/HSDP (sparsifiers, a velocity per rank): the shared
+    momentum the velocity starts from — not gathered (each rank holds only its shards), so
+    an empty tensor: the velocity starts at 0 when the variance freezes. ``None`` before."""
+    return _NO_MOMENTUM if st.adam is not None and st.adam.active(step) else None
+
+
 def settle_own_(st, idx: int, x: torch.Tensor, own: torch.Tensor, d: Delivery) -> None:
     """The residual and masks of a call whose aggregate this rank does not hold whole (the
     FSDP owner keeps its shard only): :func:`~comms.pipeline.settle_` without the write-back."""
@@ -218,8 +229,8 @@ class ReplicateAllReduce(_ModuleStep):
         st, idx, world = self.state, self.index, comm.world_size
         if route == DENSE:
             return self._dense(comm, x, step, self._dense_flag(x, world), "dense")
-        comp = st.compressor_at(step)
-        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world)))
+        comp = st.compressor_for(step)
+        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world), _velocity_start(st, step)))
         alg = get_algorithm(st.flat_algorithm())
         if comp is not st.compressor and warm_step_goes_dense(
                 comp, alg.wire_bytes(comp, x.numel(), x.dtype, world),
@@ -245,7 +256,8 @@ class ReplicateAllReduce(_ModuleStep):
         record_call(st.stats, idx, x.numel(), x.dtype, x.element_size(), world, alg.name,
                     lambda: alg.wire_bytes(comp, x.numel(), x.dtype, world) + 4, comp)
         what = where(comm, f"HSDP replicate {alg.name}", idx, x.numel(), x.dtype, step)
-        d = Delivery(st, comp, alg.holds_back)
+        d = Delivery(st, comp, alg.holds_back,
+                     st.momentum is not None or _velocity_start(st, step) is not None)
         total, own = wait(alg(comm, comp, x, ctx, st.algo_store.setdefault(idx, {}),
                               **d.algorithm_kwargs(st, alg, idx, x)), comm.timeout, what)
         settle_(st, idx, x, total, own, d)

@@ -106,6 +106,7 @@ class FSDPCompressionState(OptionsView):
         self.stats: dict = {}
         self.tuner = ModuleTuner() if algorithm == "auto" else None
         self.replica_guard = None                # comms.replicas.ReplicaGuard, set by register()
+        self.adam = None                         # comms.adam.FrozenVarianceAdam, set by register()
         self._nonfinite: torch.Tensor | None = None
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
         self._comms: dict[int, TorchCommunicator] = {}
@@ -129,11 +130,20 @@ class FSDPCompressionState(OptionsView):
     def route(self, index: int, step: int) -> str:
         """``"dense"`` or ``"compressed"`` for this call of module ``index`` (the same on
         every rank: ``step`` and the tuner's agreed decisions are)."""
-        if step < self.start_iter:
+        start = self.first_step(step)
+        if step < start:
             return DENSE
         if self.tuner is None:
             return "compressed"
-        return self.tuner.route(index, step - self.start_iter - self.warmup_steps)
+        return self.tuner.route(index, step - start - self.warmup_steps)
+
+    def first_step(self, step: int) -> int:
+        """The first compressed step: ``start_iter``, or later while Adam's variance settles."""
+        return self.start_iter if self.adam is None else self.adam.start(step, self.start_iter)
+
+    def compressor_for(self, step: int):
+        """The compressor of a compressed call: the warm-up ramp from the first compressed step."""
+        return self.compressor_at(step - self.first_step(step) + self.start_iter)
 
     def begin(self, index: int, comm, x: torch.Tensor) -> int:
         """Before a module's data moves: the config check (once per layout, collective) and,
@@ -207,6 +217,7 @@ class FSDPCompressionState(OptionsView):
             "algo_store": {int(i): plain(d, f"algo_store[{i}]") for i, d in self.algo_store.items()},
             "nonfinite_modules": self.nonfinite_modules,
             "tuner": None if self.tuner is None else self.tuner.state_dict(),
+            "adam": None if self.adam is None else self.adam.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
@@ -232,13 +243,15 @@ class FSDPCompressionState(OptionsView):
         self._nonfinite = torch.tensor(n) if n else None
         if self.tuner is not None and sd.get("tuner") is not None:
             self.tuner.load_state_dict(sd["tuner"])
+        if self.adam is not None and sd.get("adam") is not None:
+            self.adam.load_state_dict(sd["adam"])
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("replicate_group", "_comms", "config_check", "replica_guard")}
+                if k not in ("replicate_group", "_comms", "config_check", "replica_guard", "adam")}
 
     def __setstate__(self, st):
         self.__dict__.update(st)
-        self.replicate_group, self._comms, self.replica_guard = None, {}, None
+        self.replicate_group, self._comms, self.replica_guard, self.adam = None, {}, None, None
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
 

@@ -177,10 +177,11 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
     return state
 
 
-def adam_pairing(state: CompressionState, optimizer, adam_freeze):
+def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None):
     """The momentum-space scheme for an Adam/AdamW ``optimizer`` and a compressor that keeps
     error-feedback residuals (:func:`comms.adam.momentum_space`); ``None`` otherwise or when
-    ``adam_freeze`` is ``None`` (the gradient path)."""
+    ``adam_freeze`` is ``None`` (the gradient path). ``comm_fn``/``iter_fn``: the communicator
+    its freeze agreement uses and the step counter (default: the DDP state's)."""
     if adam_freeze is None or optimizer is None or not adam_family(optimizer):
         return None
     if not momentum_space(state.compressor, state.error_feedback):
@@ -188,7 +189,8 @@ def adam_pairing(state: CompressionState, optimizer, adam_freeze):
     mode = "local" if getattr(state.compressor, "sparsifies", False) else "shared"
     adam = FrozenVarianceAdam(optimizer, mode=mode, freeze=adam_freeze,
                               min_steps=max(10, state.start_iter + state.warmup_steps + 1))
-    adam.comm_fn, adam.iter_fn = state.comm, (lambda: state.iter)
+    adam.comm_fn = comm_fn or state.comm
+    adam.iter_fn = iter_fn or (lambda: state.iter)
     return adam
 
 

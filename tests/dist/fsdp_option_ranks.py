@@ -178,3 +178,29 @@ def stuck_peer(rank, world, mode, how, stamp_dir):
         pid = int(open(os.path.join(stamp_dir, "victim")).read().split()[0])
         os.kill(pid, signal.SIGKILL)
     return {"err": err, "seconds": took}
+
+
+def adam_quality(rank, world, mode, spec, steps, adam_freeze):
+    """AdamW on the teacher task through FSDP/HSDP: held-out loss (mean of the last 3
+    evaluations), when the variance froze, the local shards."""
+    from dist.fsdp_ranks import teacher_data
+
+    data = teacher_data()
+    mesh, rg = _mesh(mode, world)
+    torch.manual_seed(0)
+    model = shard_model(make_model(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    state = None if spec is None else comms.fsdp.register(
+        model, spec, replicate_group=rg, optimizer=opt, adam_freeze=adam_freeze, warmup_steps=0)
+    evals, per = [], 32
+    for s in range(steps):
+        g = torch.Generator().manual_seed(10_000 + s)
+        idx = torch.randint(0, data[0].shape[0], (per * world,), generator=g)[rank * per:(rank + 1) * per]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(data[0][idx]), data[1][idx]).backward()
+        opt.step()
+        if s % 10 == 9:
+            with torch.no_grad():
+                evals.append(float(nn.functional.cross_entropy(model(data[2]), data[3])))
+    adam = None if state is None or state.adam is None else state.adam.state_dict()
+    return {"final": sum(evals[-3:]) / 3, "adam": adam, "local": local_shards(model)}
