@@ -9,7 +9,7 @@ with a 1 per rank: gloo can hand back garbage instead of an error once a peer ha
 rank count other than the world size discards the step with an error. The flags are read on
 the host once per step, in a callback after the flag allreduce finished.
 
-Bounded (issue 18): at :meth:`StepFlags.flush` the step's futures are handed to the
+Bounded: at :meth:`StepFlags.flush` the step's futures are handed to the
 process-wide watchdog (:mod:`comms.deadline`); those DDP still waits on ``comm.timeout``
 seconds later are completed with a :class:`~comms.deadline.CollectiveTimeout` naming the
 first collective that had not completed, so a stuck peer makes ``backward()`` raise instead of

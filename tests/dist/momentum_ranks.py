@@ -1,4 +1,4 @@
-"""Rank body of the momentum tests (issue 17): the odd embedding + conv + LayerNorm model,
+"""Rank body of the momentum tests: the odd embedding + conv + LayerNorm model,
 SGD lr 0.05 momentum 0.9, tiny buckets, a learnable task (labels from a fixed teacher net of
 the same architecture), the loss on a fixed evaluation set.
 
@@ -9,7 +9,7 @@ the same architecture), the loss on a fixed evaluation set.
 * ``"optimizer"``: ``comms.register(ddp, spec, optimizer=opt)`` with SGD momentum 0.9 — the
   default way (the hook takes the momentum over from the optimizer);
 * ``"plain"``: ``comms.register(ddp, spec)`` and SGD momentum 0.9, the hook told nothing (the
-  combination that diverged before issue 17);
+  combination that diverges without momentum correction);
 * ``"hook"``: ``comms.register(ddp, spec, momentum=0.9)`` and SGD momentum 0.
 """
 

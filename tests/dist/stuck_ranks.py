@@ -1,4 +1,4 @@
-"""Stuck and dead rank harness (issue 18): stop or kill one rank mid-training, time the survivors.
+"""Stuck and dead rank harness: stop or kill one rank mid-training, time the survivors.
 
 :func:`run_one` spawns ``world`` gloo ranks that train a small MLP with a commpress hook.
 At a seeded step, at a seeded point of that step (before the forward, or inside backward in
@@ -8,7 +8,7 @@ records when its ``backward()`` raises, and then **stays alive** without touchin
 group until the parent has heard from every survivor: a survivor must raise on its own, not
 because another survivor exited and closed its sockets.
 
-Set-up is not what is measured (issue 18, run 1: a 5 s process-group timeout made DDP's
+Set-up is not what is measured (a 5 s process-group timeout made DDP's
 constructor time out, and a rank still importing ``torch._dynamo`` under load read as a
 hang). So the ranks initialise the process group with a generous ``setup_timeout``, build
 DDP, register and train the steps before the fault window at that timeout; at the first step

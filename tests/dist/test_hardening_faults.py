@@ -1,4 +1,4 @@
-"""Faults on gloo ranks (issue 6, items 3-5): an injected NaN, a killed rank, a stopped rank,
+"""Faults on gloo ranks: an injected NaN, a killed rank, a stopped rank,
 configurations that differ between ranks, a second registration."""
 
 import logging

@@ -1,4 +1,4 @@
-"""DDP modes with the compression hook on gloo ranks (issue 6, item 1).
+"""DDP modes with the compression hook on gloo ranks.
 
 Every mode: replicas bitwise equal (``comms.check_replicas`` inside the ranks), and where the
 math is exact (identity compressor) the hooked run equals DDP without a hook, bitwise.

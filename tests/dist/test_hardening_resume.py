@@ -1,4 +1,4 @@
-"""Checkpoint / resume (issue 6, item 2): state_dict saved per rank next to model and
+"""Checkpoint / resume: state_dict saved per rank next to model and
 optimizer, loaded in a fresh process group with ``torch.load(weights_only=True)``; the next 5
 steps are bitwise those of an uninterrupted run."""
 
@@ -21,7 +21,7 @@ if "two_phase" in comms.ALGORITHMS:
     # sign: the owner keeps a residual (saved and restored); top-k's senders keep what the
     # owner leaves out (return_held), in their own residuals
     CASES += [("sign", "two_phase"), ("topk:density=0.05", "two_phase")]
-# issue 17: momentum correction (velocities per bucket), masking and warm-up across the restart
+# momentum correction (velocities per bucket), masking and warm-up across the restart
 CASES += [("topk:density=0.05", "allgather+momentum"), ("sign", "allgather+momentum")]
 
 

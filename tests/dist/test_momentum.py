@@ -1,8 +1,8 @@
-"""Issue 17: SGD momentum 0.9 with a biased compressor must not diverge when used the default
+"""SGD momentum 0.9 with a biased compressor must not diverge when used the default
 way — ``comms.register(ddp, spec, optimizer=opt)``, which moves the optimizer's momentum into
 the hook (Deep Gradient Compression's momentum correction).
 
-Before issue 17 the same model and optimizer with ``register(ddp, spec)`` reached 6.7x (top-k
+Without momentum correction the same model and optimizer with ``register(ddp, spec)`` reached 6.7x (top-k
 1% + EF), 745x (sign + EF) and 2e5x (random-k 1% + EF, diverged) dense's loss. The bounds
 below are loose multiples of what was measured with fixed seeds (bench/results/
 convergence.md, momentum task): top-k 1.7x, sign 1.1x, random-k 4.4x at 200 steps with DGC's
@@ -31,7 +31,7 @@ CASES = [
 ]
 PSGD_BOUND = 2.5  # measured 1.95x (optimizer momentum); 2.18x with momentum correction
 # top-k: 2.43x measured with "held" masking (1.68x with DGC's rule) — 3.0 leaves room for
-# another CPU's rounding; divergence (6.7x before issue 17) still fails it
+# another CPU's rounding; divergence (6.7x without momentum correction) still fails it
 BOUND = {TOPK: 3.0, "sign": 1.5, "randomk:density=0.01": 6.0}
 
 

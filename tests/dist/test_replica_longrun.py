@@ -1,4 +1,4 @@
-"""Replica identity over long DDP runs (issue 16): odd shapes, tiny buckets, momentum 0.9,
+"""Replica identity over long DDP runs: odd shapes, tiny buckets, momentum 0.9,
 ``comms.check_replicas`` every 50 steps, every compressor x algorithm, PowerSGD ranks 1/2/4.
 
 The fast cases run in ``make test``. PowerSGD rank 2 differed by one ulp between 2 ranks

@@ -1,4 +1,4 @@
-"""Issue 18: one of 3 gloo ranks SIGSTOPped or SIGKILLed at a seeded step and point of the
+"""One of 3 gloo ranks SIGSTOPped or SIGKILLed at a seeded step and point of the
 step; every survivor's backward() raises within the timeout, with commpress's own message.
 
 Set-up runs at a long process-group timeout; the short bound applies from the fault window on
