@@ -306,8 +306,8 @@ class CharLM12MTask(CharLMTask):
     """``charlm``'s text and evaluation with ddp_step's TinyLM at width 512, depth 4 (4 heads,
     128 characters, sequences of 64: 12.7M parameters), AdamW lr 1e-3, batch 8 per rank, one
     DDP bucket for every hook (torch's powerSGD_hook needs it on gloo). Big enough that the
-    link matters: at 1 Gb/s a dense step moves ~51 MB per rank (~0.4 s) against ~0.3 s of
-    compute (the time-to-quality transformer with AdamW)."""
+    link matters: at 1 Gb/s a dense step moves 51 MB per rank (~0.43 s) against ~0.43 s of
+    compute on two shared cores (the time-to-quality transformer with AdamW)."""
 
     name = "charlm12m"
     default_steps = 150
