@@ -156,8 +156,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
     Call after ``fully_shard`` and before the first backward, on every rank with the same
-    arguments. Everything is validated before any module (or the optimizer) is changed.
-    Returns the :class:`FSDPCompressionState` (``state_dict()`` per rank).
+    arguments; everything is validated before anything changes. Returns the state.
 
     Args:
         model: the root module, after ``fully_shard`` was applied to it and/or its children.
@@ -191,9 +190,8 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"register() needs an nn.Module, got {type(model).__name__}")
     if _is_fsdp1(model):
-        raise TypeError("commpress FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard); this "
-                        "model holds an FSDP1 FullyShardedDataParallel, which is not supported: "
-                        "apply fully_shard (FSDP2) instead")
+        raise TypeError("commpress FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard); this model "
+                        "holds an FSDP1 FullyShardedDataParallel: apply fully_shard (FSDP2) instead")
     guard = replica_guard(model, check_replicas_every, gathered=replicate_group is None)
     probe = FSDPCompressionState(compressor, replicate_group=replicate_group, algorithm=algorithm,
                                  **options)  # every option validated before the model is looked at

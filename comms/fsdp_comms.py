@@ -180,7 +180,7 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         out.masked_fill_(flagged, float("nan"))
         # every value sent lands in its owner's sum (no second compression): the residual is
         # x - own, and "held" masking has nothing to mask
-        settle_own_(st, idx, x, own[:n], Delivery(st, comp, holds_back=False))
+        settle_own_(st, idx, x, own[:n], Delivery(st, comp, False, None if st.adam is None else st.adam.masking(step)))
         st.reset_flagged_(idx, flagged)
 
 
@@ -256,8 +256,7 @@ class ReplicateAllReduce(_ModuleStep):
         record_call(st.stats, idx, x.numel(), x.dtype, x.element_size(), world, alg.name,
                     lambda: alg.wire_bytes(comp, x.numel(), x.dtype, world) + 4, comp)
         what = where(comm, f"HSDP replicate {alg.name}", idx, x.numel(), x.dtype, step)
-        d = Delivery(st, comp, alg.holds_back,
-                     st.momentum is not None or _velocity_start(st, step) is not None)
+        d = Delivery(st, comp, alg.holds_back, None if st.adam is None else st.adam.masking(step))
         total, own = wait(alg(comm, comp, x, ctx, st.algo_store.setdefault(idx, {}),
                               **d.algorithm_kwargs(st, alg, idx, x)), comm.timeout, what)
         settle_(st, idx, x, total, own, d)

@@ -168,11 +168,11 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         state.memory.residuals.pop(index, None)
         _record(state, index, x, world, DENSE)
         return _plain_allreduce(state, comm, index, step, x, flag, scatter, "dense allreduce (warm-up)")
-    velocity = state.momentum is not None or (mbar is not None and state.adam.mode == "local")
-    return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, velocity)
+    masking = None if mbar is None else state.adam.masking(step)
+    return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, masking)
 
 
-def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, velocity):
+def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, masking):
     """The algorithm's rounds on the fed ``x``, then :func:`~comms.pipeline.settle_` once the
     result is in, through the step's flags."""
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
@@ -180,7 +180,7 @@ def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes
     _record(state, index, x, comm.world_size, alg.name,
             lambda: alg.bucket_wire_bytes(compressor, ctx, comm.world_size), compressor)
     what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
-    delivery = Delivery(state, compressor, alg.holds_back, velocity)
+    delivery = Delivery(state, compressor, alg.holds_back, masking)
     try:
         fut = alg(comm, compressor, x, ctx, state.store(index),
                   **delivery.algorithm_kwargs(state, alg, index, x))

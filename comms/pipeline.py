@@ -132,8 +132,9 @@ def warm_step_goes_dense(compressor, wire_bytes: int, dense_bytes: int) -> bool:
 class Delivery:
     """How one compressed step's result is settled, fixed before the algorithm runs.
 
-    ``velocity``: whether a per-rank velocity is kept (default: momentum correction is on;
-    Adam's local momentum space passes True).
+    ``masking``: the momentum-masking rule of the per-rank velocity (default: momentum
+    correction's ``momentum_masking``, ``"off"`` without it; Adam's local momentum space passes
+    ``"sent"``).
 
     Attributes:
         mask: DGC's momentum masking ("sent"): zero the velocity wherever this rank sent.
@@ -147,10 +148,11 @@ class Delivery:
 
     __slots__ = ("mask", "mask_held", "give_back", "error_feedback")
 
-    def __init__(self, st, compressor, holds_back: bool, velocity: bool | None = None):
+    def __init__(self, st, compressor, holds_back: bool, masking: str | None = None):
         sparsifies = getattr(compressor, "sparsifies", False)
-        velocity = st.momentum is not None if velocity is None else velocity
-        masking = st.momentum_masking if velocity and sparsifies else "off"
+        if masking is None:  # momentum correction's rule, where it keeps a velocity
+            masking = st.momentum_masking if st.momentum is not None else "off"
+        masking = masking if sparsifies else "off"
         self.error_feedback = st.error_feedback
         self.mask = masking == "sent"
         self.give_back = holds_back and st.error_feedback and sparsifies
