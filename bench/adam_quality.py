@@ -208,8 +208,9 @@ def _write(out: str, recs: list[dict]) -> None:
            "freeze, the gradient path).", "",
            tables.format_table([_shown(r) for r in summary], cols, markdown=True), "",
            "Every run (final loss; the largest evaluation loss; training seconds, max over ranks; "
-           "`load`: the 1-minute load average before -> after the seed's ranks ran):",
-           "", tables.format_table([_shown(r) for r in recs], COLUMNS, markdown=True)]
+           "`load`: the 1-minute load average before -> after the seed's ranks ran; `commit`: the "
+           "checkout that ran it):",
+           "", tables.format_table([_shown(r) for r in recs], COLUMNS + ["commit"], markdown=True)]
     tables.write_text(out + ".md", "\n".join(md) + "\n")
 
 
