@@ -15,8 +15,8 @@ which is not, and compressed gradients under Adam lose quality. 1-bit Adam (Tang
   keeps ``m`` as its ``exp_avg``.
 
 When the variance has settled is detected, not guessed: after every dense Adam step the
-relative change of the bias-corrected variance's total, ``|S_t - S_(t-1)| / S_t``, is agreed
-over the ranks (the largest wins) and the variance freezes once it stayed below ``freeze_tol``
+relative change of the bias-corrected variance's total over every rank (FSDP: over all shards),
+``|S_t - S_(t-1)| / S_t``, is the same number on every rank, and the variance freezes once it stayed below ``freeze_tol``
 for ``patience`` steps (from ``min_steps`` on; at ``max_steps`` at the latest) — or at a fixed step given as
 ``freeze``. The decision is the same on every rank, so every rank switches at the same step.
 """
@@ -235,12 +235,12 @@ class FrozenVarianceAdam:
             return None
         comm, it = self.comm_fn(), self.iter_fn()
         total = self._variance_total()
+        if comm.world_size > 1:  # every rank's total (FSDP: its shards'), summed in rank order
+            t = torch.tensor([total], dtype=torch.float64)
+            what = f"commpress: variance-freeze agreement at step {it} on rank {comm.rank}"
+            total = float(sum(wait(comm.all_gather(t), comm.timeout, what).tolist()))
         change = 1.0 if not self.prev_total or total <= 0 else abs(total - self.prev_total) / total
         self.prev_total = total
-        if comm.world_size > 1:  # the largest change over the ranks: one decision everywhere
-            t = torch.tensor([change], dtype=torch.float64)
-            what = f"commpress: variance-freeze agreement at step {it} on rank {comm.rank}"
-            change = float(wait(comm.all_gather(t), comm.timeout, what).max())
         self.changes.append(change)
         fixed = self.freeze != "auto"
         settled = len(self.changes) >= self.patience and max(self.changes[-self.patience:]) < self.freeze_tol
