@@ -126,9 +126,10 @@ def train(task, cfg, args, rank: int, world: int, mesh):
                                                                                      "fp16": "float16"}[spec])))
     else:
         shard_charlm(model, mesh["shard"] if hsdp else mesh)
+        opt = task.optimizer(model.parameters())  # the DTensor parameters FSDP2 made
         state = comms.fsdp.register(model, spec, start_iter=args.start_iter, optimizer=opt,
                                     replicate_group=mesh.get_group("replicate") if hsdp else None)
-    if kind != "ddp":  # FSDP2 replaced the parameters with DTensors: the optimizer takes those
+    if kind in ("dense", "torch-mp"):  # FSDP2 replaced the parameters with DTensors
         opt = task.optimizer(model.parameters())
     inner = getattr(model, "module", model)
     curve = [(0, task.evaluate(model))]
@@ -154,6 +155,8 @@ def train(task, cfg, args, rank: int, world: int, mesh):
         eq = torch.tensor([int(all(torch.equal(peers[0], p) for p in peers))])
         dist.all_reduce(eq, op=dist.ReduceOp.MIN)
         equal = bool(eq.item())
+    if rank == 0 and getattr(state, "adam", None) is not None:
+        print(f"# {name}: Adam's variance froze at step {state.adam.freeze_iter}", flush=True)
     bad = getattr(state, "nonfinite_modules", getattr(state, "nonfinite_buckets", 0))
     if bad:
         print(f"# rank {rank}: {name}: {bad} non-finite reductions", flush=True)
