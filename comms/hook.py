@@ -297,10 +297,17 @@ def _start(state: CompressionState, step: int) -> int:
     return state.start_iter if state.adam is None else state.adam.start(step, state.start_iter)
 
 
+_NO_MOMENTUM = torch.zeros(0)
+
+
 def _shared_momentum(state: CompressionState, bucket, step: int):
-    """Adam's shared momentum of the bucket's parameters once the variance froze, else None."""
+    """Adam's shared momentum of the bucket's parameters once the variance froze, else None.
+    A velocity per rank (sparsifiers) reads it only to start: once the bucket has one, an
+    empty tensor stands in and no bucket-sized copy is made."""
     if state.adam is None or not state.adam.active(step):
         return None
+    if state.adam.mode == "local" and bucket.index() in state.memory.velocities:
+        return _NO_MOMENTUM
     return state.adam.shared_momentum(bucket.parameters())
 
 
