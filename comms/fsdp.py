@@ -66,11 +66,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .fsdp_comms import CompressedReduceScatter, ReplicateAllReduce
+from .fsdp_params import PARAM_MODES, QuantizedAllGather
 from .fsdp_state import FSDP_CONFIG_FIELDS, FSDPCompressionState
 from .register import adam_pairing, give_back_momentum, pair_optimizer, replica_guard
 
 __all__ = ["register", "FSDPCompressionState", "CompressedReduceScatter", "ReplicateAllReduce",
-           "FSDP_CONFIG_FIELDS", "fsdp_modules"]
+           "QuantizedAllGather", "PARAM_MODES", "FSDP_CONFIG_FIELDS", "fsdp_modules"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def _is_fsdp1(model: torch.nn.Module) -> bool:
 
 def _check_module(state: FSDPCompressionState, fqn: str, m, replicate_group) -> float:
     """Raise naming a module commpress cannot equip; return its post-sum divide factor."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     name = fqn or "<root>"
     groups = m._get_fsdp_state()._fsdp_param_groups
@@ -111,6 +112,9 @@ def _check_module(state: FSDPCompressionState, fqn: str, m, replicate_group) -> 
     if state.mode == "fsdp" and type(g._reduce_scatter_comm) is not DefaultReduceScatter:
         raise ValueError(f"FSDP module {name!r} already has a custom reduce-scatter "
                          f"({type(g._reduce_scatter_comm).__name__})")
+    if state.params != "full" and type(g._all_gather_comm) is not DefaultAllGather:
+        raise ValueError(f"FSDP module {name!r} already has a custom all-gather "
+                         f"({type(g._all_gather_comm).__name__}); pass params='full' to keep it")
     if state.mode == "hsdp" and g._all_reduce_hook is not None:
         raise ValueError(f"FSDP module {name!r} already has an all-reduce hook")
     shard = g.mesh_info.shard_mesh_size
@@ -143,6 +147,8 @@ def _equip(state: FSDPCompressionState, mods) -> None:
         # a parameter without a gradient stays in the reduce-scatter as zeros: the layout, and
         # so the residual and velocity of the module, survive steps that leave it unused
         m.set_reduce_scatter_unused_params(True, recurse=False)
+        if state.params != "full":
+            m.set_custom_all_gather(QuantizedAllGather(state, i))
         if state.mode == "fsdp":
             m.set_custom_reduce_scatter(CompressedReduceScatter(state, i))
         else:
@@ -151,7 +157,7 @@ def _equip(state: FSDPCompressionState, mods) -> None:
 
 
 def register(model: torch.nn.Module, compressor, *, replicate_group=None, algorithm: str | None = None,
-             optimizer=None, check_replicas_every: int | None = None, adam_freeze="auto",
+             params: str | None = None, optimizer=None, check_replicas_every: int | None = None, adam_freeze="auto",
              **options) -> FSDPCompressionState:
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
@@ -165,8 +171,15 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
             ``ProcessGroup``: HSDP mode — ``model`` must be 1-D ``fully_shard`` over the
             shard group, and the gradient shards are all-reduced, compressed, across this
             group (see the module docstring).
-        algorithm: ``None``: compress every call; ``"auto"``: per module, dense or compressed
-            by measured calls; HSDP: also ``"allreduce"``, ``"allgather"``, ``"two_phase"``.
+        algorithm: ``"auto"`` (``None``, the default): per module, dense or compressed by
+            measured calls. Compressed on every call: ``"scatter_reduce"`` (FSDP) or
+            ``"allreduce"``, ``"allgather"``, ``"two_phase"`` (HSDP).
+        params: the parameter all-gather (:mod:`comms.fsdp_params`; the fp32 shards the
+            optimizer updates are untouched): ``"int8"`` / ``"int4"`` — block-quantized
+            (256 elements per fp32 scale), every rank decodes the same bytes; ``"full"`` —
+            FSDP's own; ``"auto"`` (``None``, the default) — FSDP mode with a lossy
+            compressor: full or int8 per module by measured calls (int8 on every call with
+            a pinned ``algorithm``); HSDP or ``"identity"``: full.
         optimizer: paired as :func:`comms.register` does (SGD momentum taken over; Adam(W)
             with top-k/random-k in momentum space, a velocity per rank from 0 at the freeze).
         adam_freeze: as in :func:`comms.register`.
@@ -194,10 +207,10 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
                         "holds an FSDP1 FullyShardedDataParallel: apply fully_shard (FSDP2) instead")
     guard = replica_guard(model, check_replicas_every, gathered=replicate_group is None)
     probe = FSDPCompressionState(compressor, replicate_group=replicate_group, algorithm=algorithm,
-                                 **options)  # every option validated before the model is looked at
+                                 params=params, **options)  # every option validated first
     mods, factors = _checked_modules(model, probe, replicate_group)
     state, taken = pair_optimizer(optimizer, lambda **kw: FSDPCompressionState(
-        compressor, replicate_group=replicate_group, algorithm=algorithm, **kw), options)
+        compressor, replicate_group=replicate_group, algorithm=algorithm, params=params, **kw), options)
     _attach(state, mods, factors, guard, optimizer, adam_freeze)
     try:
         _equip(state, mods)
@@ -207,6 +220,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
             state.adam.remove()
         raise
     model._commpress_fsdp_state = state
-    logger.info("commpress: %s on %d FSDP modules (%s), error feedback %s", state.compressor.spec(),
-                len(mods), state.mode, state.error_feedback)
+    logger.info("commpress: %s on %d FSDP modules (%s, algorithm %s, params %s), error feedback %s",
+                state.compressor.spec(), len(mods), state.mode, state.algorithm, state.params,
+                state.error_feedback)
     return state

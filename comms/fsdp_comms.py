@@ -170,9 +170,16 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
                           lambda: (world - 1) * (comp.wire_bytes(m, x.dtype) + 1), comp)
         rec.dense_bytes = (world - 1) * m * x.element_size()  # a reduce-scatter, not an allreduce
         what = where(comm, "FSDP compressed reduce-scatter", idx, n, x.dtype, step)
-        fut, own, layout, nb, stride = scatter_send(comm, comp, x, ctx, tail=flag.to(torch.uint8).view(1))
+        d = Delivery(st, comp, False, None if st.adam is None else st.adam.masking(step))
+        # this rank's own chunk stays home exact (not encoded, no residual): the codec does
+        # (W-1)/W of the work. Not under momentum masking, whose velocity a chunk "sent" in
+        # full every step would lose
+        exact_own = not d.mask
+        fut, own, layout, nb, stride = scatter_send(comm, comp, x, ctx, tail=flag.to(torch.uint8).view(1),
+                                                    exact_own=exact_own)
         recv = wait(fut, comm.timeout, what)
-        acc = decode_sum(comp, recv, layout, nb, stride, ctx, world, comm.rank)  # rank order
+        acc = decode_sum(comp, recv, layout, nb, stride, ctx, world, comm.rank,  # rank order
+                         exact=own[comm.rank * m:(comm.rank + 1) * m] if exact_own else None)
         flagged = recv.view(world, stride)[:, nb].ne(0).any()  # same value on every rank
         if divide:
             acc.div_(world)
@@ -180,7 +187,7 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         out.masked_fill_(flagged, float("nan"))
         # every value sent lands in its owner's sum (no second compression): the residual is
         # x - own, and "held" masking has nothing to mask
-        settle_own_(st, idx, x, own[:n], Delivery(st, comp, False, None if st.adam is None else st.adam.masking(step)))
+        settle_own_(st, idx, x, own[:n], d)
         st.reset_flagged_(idx, flagged)
 
 

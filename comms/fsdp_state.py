@@ -12,25 +12,29 @@ import torch
 import torch.distributed as dist
 
 from compressors import Compressor
+from compressors.blockquant import PARAM_BITS, BlockQuantizer
 
 from .algorithms import DENSE, get_algorithm
 from .checkpoint import hash64, plain, to_device
 from .communicator import TorchCommunicator
 from .config_check import ConfigCheck
+from .fsdp_params import GatherStats, resolve_params
 from .fsdp_tuner import ModuleTuner
 from .local_memory import LocalMemory
 from .options import OPTION_FIELDS, OptionsView, PipelineOptions
 from .stats import stats_rows
 
-__all__ = ["FSDPCompressionState", "FSDP_CONFIG_FIELDS", "HSDP_ALGORITHMS"]
+__all__ = ["FSDPCompressionState", "FSDP_CONFIG_FIELDS", "HSDP_ALGORITHMS", "SCATTER_REDUCE"]
 
 logger = logging.getLogger(__name__)
 
 # what every rank must agree on for a module, in the order of the cross-rank config check
-FSDP_CONFIG_FIELDS = ("compressor", "mode", "algorithm", "seed", "start_iter", "error_feedback",
+FSDP_CONFIG_FIELDS = ("compressor", "mode", "algorithm", "params", "seed", "start_iter", "error_feedback",
                       "module", "step", "numel", "dtype") + OPTION_FIELDS
 
 HSDP_ALGORITHMS = ("allreduce", "allgather", "two_phase")
+#: the FSDP-mode algorithm that compresses every reduce-scatter (``"auto"`` times it per module)
+SCATTER_REDUCE = "scatter_reduce"
 
 
 def _check_algorithm(c: Compressor, mode: str, algorithm):
@@ -38,27 +42,31 @@ def _check_algorithm(c: Compressor, mode: str, algorithm):
     if algorithm is not None and not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a str or None, got {algorithm!r}")
     if mode == "fsdp":
-        if algorithm not in (None, "auto"):
+        if algorithm not in (None, "auto", SCATTER_REDUCE):
             raise ValueError(f"algorithm={algorithm!r} applies to the HSDP replicate all-reduce "
-                             "only (pass replicate_group); the FSDP reduce-scatter is one algorithm "
-                             "(or 'auto': dense or compressed per module, by measured calls)")
+                             f"only (pass replicate_group); the FSDP reduce-scatter is {SCATTER_REDUCE!r} "
+                             "(compressed on every call) or 'auto' (the default: dense or compressed "
+                             "per module, by measured calls)")
         # the scatter-reduce needs every receiver to decode any rank's chunk payload
         # (allgather/two_phase families) and equal payloads per chunk (fixed size)
         if not (c.fixed_size and (c.supports("two_phase") or c.supports("allgather"))):
             raise ValueError(f"compressor {c.spec()!r} cannot compress the FSDP reduce-scatter: it "
                              "needs rank-decodable, fixed-size chunk payloads (identity, fp16, bf16, "
                              f"qsgd, sign, topk, randomk); {c.spec()!r} supports {list(c.families)}")
-        return algorithm
-    flat = None if algorithm in (None, "auto") else algorithm
-    if flat is None:
-        flat = next((a for a in HSDP_ALGORITHMS if c.supports(a)), None)
+        return algorithm or "auto"
+    flat = _default_flat(c) if algorithm in (None, "auto") else algorithm
     if flat not in HSDP_ALGORITHMS:
         raise ValueError(f"HSDP replicate all-reduce algorithm must be 'auto' or one of "
                          f"{HSDP_ALGORITHMS}, got {algorithm!r} (for {c.spec()!r})")
     if c.name == "powersgd" or not get_algorithm(flat).supports(c):
         raise ValueError(f"compressor {c.spec()!r} cannot travel with {flat!r} on a flat "
                          f"FSDP shard (it supports {list(c.families)})")
-    return flat if algorithm != "auto" else "auto"
+    return flat if algorithm not in (None, "auto") else "auto"
+
+
+def _default_flat(c: Compressor) -> str | None:
+    """The HSDP replicate all-reduce's compressed algorithm: the first the compressor supports."""
+    return next((a for a in HSDP_ALGORITHMS if c.supports(a)), None)
 
 
 class FSDPCompressionState(OptionsView):
@@ -68,10 +76,12 @@ class FSDPCompressionState(OptionsView):
         compressor: a :class:`compressors.Compressor` or a spec string.
         replicate_group: ``None``: FSDP mode; a ``ProcessGroup``: HSDP mode (see
             :mod:`comms.fsdp`). Not pickled.
-        algorithm: ``None``: compress every call (FSDP: the compressed reduce-scatter; HSDP:
-            the compressor's cheapest of allreduce, allgather, two_phase); ``"auto"``: each
-            module is timed dense and compressed on its first calls after the warm-up and
-            keeps the faster (the same decision on every rank); HSDP: a flat algorithm name.
+        algorithm: ``"auto"`` (``None``, the default): each module is timed dense and
+            compressed on its first calls after the warm-up and keeps the faster (the same
+            decision on every rank). Compressed on every call: ``"scatter_reduce"`` (FSDP)
+            or a flat algorithm name (HSDP: ``allreduce``, ``allgather``, ``two_phase``).
+        params: the parameter all-gather (:mod:`comms.fsdp_params`): ``"auto"`` (``None``,
+            the default), ``"full"``, ``"int8"`` or ``"int4"``.
         **options: :class:`~comms.options.PipelineOptions` (``error_feedback``, ``seed``,
             ``start_iter``, ``timeout``, ``momentum``, ``momentum_masking``, ``clip_norm``,
             ``residual_bound``, ``warmup_steps``), readable as attributes.
@@ -88,7 +98,7 @@ class FSDPCompressionState(OptionsView):
     """
 
     def __init__(self, compressor: "Compressor | str", *, replicate_group=None,
-                 algorithm: str | None = None, **options):
+                 algorithm: str | None = None, params: str | None = None, **options):
         self.options = PipelineOptions(compressor, **options)
         if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
             hint = " (for a DeviceMesh pass mesh.get_group('replicate'))" \
@@ -97,6 +107,10 @@ class FSDPCompressionState(OptionsView):
                             f"{type(replicate_group).__name__}{hint}")
         self.mode = "fsdp" if replicate_group is None else "hsdp"
         self.algorithm = _check_algorithm(self.compressor, self.mode, algorithm)
+        self.params = resolve_params(params, self.mode, self.algorithm, self.compressor.name == "identity")
+        self.param_codecs = {f"int{b}": BlockQuantizer(b) for b in PARAM_BITS}
+        self.gather_tuner = ModuleTuner() if self.params == "tuned" else None
+        self.gather_stats: dict[int, GatherStats] = {}  # module index -> its parameter all-gathers
         self.replicate_group = replicate_group
         self.memory = LocalMemory()              # module index -> residual, velocity
         self.algo_store: dict[int, dict] = {}    # HSDP: the algorithm's per-module store
@@ -104,7 +118,7 @@ class FSDPCompressionState(OptionsView):
         self.modules: list[str] = []             # module index -> fqn
         self.divide_factors: list[float] = []    # module index -> FSDP's post-sum divide factor
         self.stats: dict = {}
-        self.tuner = ModuleTuner() if algorithm == "auto" else None
+        self.tuner = ModuleTuner() if self.algorithm == "auto" else None
         self.replica_guard = None                # comms.replicas.ReplicaGuard, set by register()
         self.adam = None                         # comms.adam.FrozenVarianceAdam, set by register()
         self._nonfinite: torch.Tensor | None = None
@@ -124,8 +138,7 @@ class FSDPCompressionState(OptionsView):
         """The compressed algorithm (HSDP: a flat algorithm; FSDP: ``None``, the scatter-reduce)."""
         if self.mode == "fsdp":
             return None
-        return self.algorithm if self.algorithm != "auto" else _check_algorithm(
-            self.compressor, "hsdp", None)
+        return self.algorithm if self.algorithm != "auto" else _default_flat(self.compressor)
 
     def route(self, index: int, step: int) -> str:
         """``"dense"`` or ``"compressed"`` for this call of module ``index`` (the same on
@@ -167,7 +180,7 @@ class FSDPCompressionState(OptionsView):
         return self.clip_norm * self.divide_factors[index] / world
 
     def config_values(self, index: int, numel: int, dtype, step: int) -> tuple:
-        return (self.compressor.spec(), self.mode, self.algorithm, self.seed, self.start_iter,
+        return (self.compressor.spec(), self.mode, self.algorithm, self.params, self.seed, self.start_iter,
                 self.error_feedback, self.modules[index], step, numel, str(dtype)) + tuple(
                     getattr(self, k) for k in OPTION_FIELDS)
 
@@ -204,6 +217,11 @@ class FSDPCompressionState(OptionsView):
                     f"layout resets={self.memory.layout_resets}")
         if self.tuner is not None:
             rows.append(str(self.tuner))
+        for i, g in sorted(self.gather_stats.items()):
+            rows.append(f"params {self.modules[i] or '<root>'}: {g.calls} all-gathers, "
+                        f"{g.wire_bytes} of {g.dense_bytes} bytes sent, codec {g.codec_s * 1e3:.1f} ms")
+        rows.append(f"params={self.params}" + ("" if self.gather_tuner is None else
+                                               f" ({str(self.gather_tuner).replace('auto: ', '')})"))
         return "\n".join(rows)
 
     # -- checkpointing ---------------------------------------------------------------------
@@ -217,6 +235,9 @@ class FSDPCompressionState(OptionsView):
             "algo_store": {int(i): plain(d, f"algo_store[{i}]") for i, d in self.algo_store.items()},
             "nonfinite_modules": self.nonfinite_modules,
             "tuner": None if self.tuner is None else self.tuner.state_dict(),
+            "params": self.params,
+            "gather_tuner": None if self.gather_tuner is None else self.gather_tuner.state_dict(),
+            "gather_calls": {int(i): int(r.calls) for i, r in self.gather_stats.items()},
             "adam": None if self.adam is None else self.adam.state_dict(),
         }
 
@@ -231,7 +252,7 @@ class FSDPCompressionState(OptionsView):
             raise TypeError(f"load_state_dict needs a dict from FSDPCompressionState.state_dict(), "
                             f"got {type(sd).__name__}")
         self.options.check_saved(sd, min((int(s) for s in sd["steps"].values()), default=0))
-        for key, mine in (("mode", self.mode), ("algorithm", self.algorithm),
+        for key, mine in (("mode", self.mode), ("algorithm", self.algorithm), ("params", self.params),
                           ("error_feedback", self.error_feedback), ("modules", list(self.modules))):
             if sd.get(key) != mine:
                 raise ValueError(f"state was saved with {key}={sd.get(key)!r}, this model uses {mine!r}")
@@ -243,6 +264,10 @@ class FSDPCompressionState(OptionsView):
         self._nonfinite = torch.tensor(n) if n else None
         if self.tuner is not None and sd.get("tuner") is not None:
             self.tuner.load_state_dict(sd["tuner"])
+        if self.gather_tuner is not None and sd.get("gather_tuner") is not None:
+            self.gather_tuner.load_state_dict(sd["gather_tuner"])
+        # the call counts index the parameter all-gathers' tuning, as steps index the gradients'
+        self.gather_stats = {int(i): GatherStats(calls=int(c)) for i, c in sd.get("gather_calls", {}).items()}
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
 

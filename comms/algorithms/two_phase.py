@@ -158,13 +158,16 @@ def _need_fixed_size(compressor) -> None:
                         f"{compressor.spec()!r} is variable-size")
 
 
-def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
+def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None, exact_own: bool = False):
     """Phase 1 of the scatter-reduce: compress ``x``'s ``W`` chunks, start the ``all_to_all``.
 
     Chunk ``j`` is compressed with this rank's private stream of
     ``chunk_context(ctx, W, 1, j, rank)`` and sent to rank ``j``. ``tail``: optional uint8
     bytes appended to every destination's payload (the FSDP reduce-scatter sends its
-    non-finite flag this way: no extra collective).
+    non-finite flag this way: no extra collective). ``exact_own``: chunk ``rank`` stays home
+    uncompressed — never encoded, its row of the exchange unused, its ``own`` slice ``x``
+    itself (no error to feed back) — and :func:`decode_sum` adds it exactly: the codec does
+    ``(W - 1) / W`` of the work, for a sum whose bits are still computed once, by the owner.
 
     Returns:
         ``(fut, own, layout, nb, stride)``: the future of the received bytes (rank ``i``'s
@@ -175,15 +178,20 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
     _need_fixed_size(compressor)
     world, rank, n = comm.world_size, comm.rank, x.numel()
     m = -(-n // world)
-    payloads = [compressor.compress(_chunk(x, j, m), chunk_context(ctx, world, 1, j, rank))
-                for j in range(world)]
+    # chunks without tensor pieces (a flat context) share one layout, so the skipped chunk's
+    # layout is any other's; with pieces every chunk must be encoded (its layout sizes the wire)
+    if exact_own and (world < 2 or len(ctx.known_shapes()) >= 2):
+        raise ValueError("scatter_send: exact_own needs world >= 2 and a flat context (no tensor pieces)")
+    sent = [j for j in range(world) if not (exact_own and j == rank)]
+    payloads = {j: compressor.compress(_chunk(x, j, m), chunk_context(ctx, world, 1, j, rank))
+                for j in sent}
     # a chunk's layout depends on its size and tensor pieces only: the same on every rank
-    layout = ChunkWire([layout_of(p) for p in payloads])
+    layout = ChunkWire([layout_of(payloads[j if j in payloads else sent[0]]) for j in range(world)])
     nb = layout.nbytes
     stride = nb + (0 if tail is None else tail.numel())
     send = buffers.empty(world * stride, torch.uint8, x.device)
     rows = send.view(world, stride)
-    for j, p in enumerate(payloads):
+    for j, p in payloads.items():
         layout.write(p, rows[j, :nb])
     if tail is not None:
         rows[:, nb:] = tail
@@ -191,19 +199,26 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None):
 
     # while the exchange is in flight: this rank's decoded contribution, for first-stage EF
     own = buffers.empty(world * m, ctx.dtype, x.device)
-    for j, p in enumerate(payloads):
+    for j, p in payloads.items():
         compressor.decompress_into(p, chunk_context(ctx, world, 1, j, rank), own[j * m:(j + 1) * m])
+    if exact_own:
+        own[rank * m:(rank + 1) * m].copy_(_chunk(x, rank, m))
     return fut, own, layout, nb, stride
 
 
 def decode_sum(compressor, recv: torch.Tensor, layout: ChunkWire, nb: int, stride: int, ctx, world: int,
-               rank: int) -> torch.Tensor:
+               rank: int, exact: torch.Tensor | None = None) -> torch.Tensor:
     """The owner's sum of chunk ``rank``: decode every rank's payload and add them **in rank
-    order** into zeros (fp32, fp64 for fp64 buckets) — one summation order on every run."""
+    order** into zeros (fp32, fp64 for fp64 buckets) — one summation order on every run.
+    ``exact``: this rank's own chunk, added as it is in place of its payload
+    (:func:`scatter_send` with ``exact_own``)."""
     m = -(-ctx.numel // world)
     acc_dtype = _acc_dtype(ctx.dtype)
     acc = buffers.zeros(m, acc_dtype, recv.device)
     for i in range(world):
+        if exact is not None and i == rank:
+            acc.add_(exact)
+            continue
         compressor.decompress_add_(layout.read(recv[i * stride:i * stride + nb], rank),
                                    chunk_context(ctx, world, 1, rank, i).with_(dtype=acc_dtype), acc)
     return acc

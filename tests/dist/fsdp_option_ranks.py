@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import comms
 from comms.fsdp import CompressedReduceScatter, FSDPCompressionState, ReplicateAllReduce
-from dist.fsdp_ranks import full_params, local_shards, make_model, shard_model, steps
+from dist.fsdp_ranks import full_params, local_shards, make_model, pinned, shard_model, steps
 
 
 class SometimesUnused(nn.Module):
@@ -48,7 +48,8 @@ def _build(mode, world, spec, momentum=0.0, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     state = None
     if spec is not None:
-        state = comms.fsdp.register(model, spec, replicate_group=rg, optimizer=opt, **kw)
+        state = comms.fsdp.register(model, spec, replicate_group=rg, optimizer=opt,
+                                    **pinned(spec, rg is not None, **kw))
     return model, opt, state
 
 
@@ -101,7 +102,7 @@ def unused_parameter(rank, world, mode):
     model = _shard_unused(SometimesUnused(), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = comms.fsdp.register(model, "topk:density=0.1", replicate_group=rg, optimizer=opt,
-                                warmup_steps=0)
+                                **pinned("topk:density=0.1", rg is not None, warmup_steps=0))
     sizes = []
     for s in range(6):
         model.step = s
@@ -113,10 +114,12 @@ def unused_parameter(rank, world, mode):
 
 def auto_decisions(rank, world, mode):
     """``algorithm="auto"``: every module decides, the same on every rank; replicas stay equal."""
-    model, opt, state = _build(mode, world, "sign", algorithm="auto")
+    model, opt, state = _build(mode, world, "sign", algorithm="auto", params="auto")
     losses = []
     steps(model, opt, rank, 0, state.tuner.decide_at + 3, losses)
     dec = [state.tuner.decision.get(i) for i in range(len(state.modules))]
+    if state.gather_tuner is not None:  # FSDP: the parameter all-gathers decide too
+        dec += [state.gather_tuner.decision.get(i) for i in range(len(state.modules))]
     everyone = [None] * world
     dist.all_gather_object(everyone, dec)
     return {"decisions": everyone, "losses": losses, "local": local_shards(model),
@@ -129,7 +132,8 @@ def direct_bound(rank, world, bound):
     g = torch.Generator().manual_seed(rank)
     for mode in ("fsdp", "hsdp"):
         kw = {"replicate_group": dist.group.WORLD} if mode == "hsdp" else {}
-        st = FSDPCompressionState("randomk:density=0.2", residual_bound=bound, warmup_steps=0, **kw)
+        st = FSDPCompressionState("randomk:density=0.2", **pinned("randomk:density=0.2", mode == "hsdp",
+                                  residual_bound=bound, warmup_steps=0, **kw))
         st.modules, st.divide_factors = ["m"], [float(world)]
         ratios = []
         for call in range(6):
@@ -191,7 +195,8 @@ def adam_quality(rank, world, mode, spec, steps, adam_freeze):
     model = shard_model(make_model(), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     state = None if spec is None else comms.fsdp.register(
-        model, spec, replicate_group=rg, optimizer=opt, adam_freeze=adam_freeze, warmup_steps=0)
+        model, spec, replicate_group=rg, optimizer=opt,
+        **pinned(spec, rg is not None, adam_freeze=adam_freeze, warmup_steps=0))
     evals, per = [], 32
     for s in range(steps):
         g = torch.Generator().manual_seed(10_000 + s)

@@ -9,9 +9,24 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import comms
+import compressors
 from dist.ranks import batch
 
 SPECS = ["fp16", "bf16", "qsgd:bits=4", "sign", "topk:density=0.1", "randomk:density=0.2"]
+
+
+def pinned(spec, replicated: bool = False, **kw) -> dict:
+    """``kw`` with an algorithm that compresses every call (on loopback ``auto`` rightly
+    times dense as faster): FSDP's scatter-reduce, or the compressor's first flat HSDP
+    algorithm; the parameter all-gather stays full precision unless ``kw`` says otherwise."""
+    from comms.fsdp_state import HSDP_ALGORITHMS, SCATTER_REDUCE
+
+    if "algorithm" not in kw:
+        c = compressors.from_spec(spec) if isinstance(spec, str) else spec
+        kw["algorithm"] = SCATTER_REDUCE if not replicated else next(
+            a for a in HSDP_ALGORITHMS if c is not None and c.supports(a))
+    kw.setdefault("params", "full")
+    return kw
 
 
 def make_model(seed=0):
@@ -65,7 +80,7 @@ def fsdp_run(rank, world, spec, n_steps=20, momentum=0.9, **kw):
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = shard_model(make_model(), mesh)
-    state = comms.fsdp.register(model, spec, **kw) if spec is not None else None
+    state = comms.fsdp.register(model, spec, **pinned(spec, **kw)) if spec is not None else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     losses = []
     steps(model, opt, rank, 0, n_steps, losses)
@@ -90,7 +105,8 @@ def hsdp_run(rank, world, spec, n_steps=10, native=False, **kw):
     model = shard_model(make_model(), mesh if native else mesh["shard"])
     state = None
     if not native:
-        state = comms.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"), **kw)
+        state = comms.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"),
+                                    **pinned(spec, True, **kw))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     steps(model, opt, rank, 0, n_steps, losses)
@@ -115,7 +131,7 @@ def resume_run(rank, world, spec, ckpt_dir, **kw):
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = shard_model(make_model(), mesh)
-    state = comms.fsdp.register(model, spec, **kw)
+    state = comms.fsdp.register(model, spec, **pinned(spec, **kw))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     steps(model, opt, rank, 0, 5)
     path = os.path.join(ckpt_dir, f"fsdp.rank{rank}.pt")
@@ -124,7 +140,7 @@ def resume_run(rank, world, spec, ckpt_dir, **kw):
     ck = torch.load(path, weights_only=True)
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     model = shard_model(make_model(seed=7), mesh)
-    state = comms.fsdp.register(model, spec, **kw)
+    state = comms.fsdp.register(model, spec, **pinned(spec, **kw))
     state.load_state_dict(ck["comm"])
     set_local_shards_(model, ck["shards"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -142,7 +158,7 @@ def direct_calls(rank, world):
     m = 37  # shard numel (odd on purpose)
     xs = [torch.randn(world * m, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     for spec in ("identity", "fp16", "topk:density=0.2"):
-        st = FSDPCompressionState(spec, warmup_steps=0)  # compressed from the first call
+        st = FSDPCompressionState(spec, warmup_steps=0, algorithm="scatter_reduce")  # compressed from the first call
         st.modules = ["m"]
         rs = CompressedReduceScatter(st, 0)
         x = xs[rank].clone()
@@ -155,7 +171,7 @@ def direct_calls(rank, world):
         out[spec] = {"out": y.clone(), "avg": y_avg.clone(), "residual": None if res is None else res.clone(),
                      "ef_input": x2.clone()}
     # non-finite on rank 1 only, at the second call
-    st = FSDPCompressionState("topk:density=0.2", warmup_steps=0)
+    st = FSDPCompressionState("topk:density=0.2", warmup_steps=0, algorithm="scatter_reduce")
     st.modules = ["m"]
     rs = CompressedReduceScatter(st, 0)
     outs = []
@@ -224,7 +240,7 @@ def config_mismatch(rank, world):
     """Rank 1 uses another seed: every rank raises ValueError naming the field, before data moves."""
     from comms.fsdp import CompressedReduceScatter, FSDPCompressionState
 
-    st = FSDPCompressionState("sign", seed=rank)
+    st = FSDPCompressionState("sign", seed=rank, algorithm="scatter_reduce")
     st.modules = ["layer"]
     rs = CompressedReduceScatter(st, 0)
     x = torch.randn(world * 8)
@@ -256,7 +272,8 @@ def hsdp_train_eval(rank, world, spec, n_steps, data, native=False, lr=0.05, **k
     model = shard_model(make_model(), mesh if native else mesh["shard"])
     state = None
     if not native:
-        state = comms.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"), **kw)
+        state = comms.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"),
+                                    **pinned(spec, True, **kw))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     evals = []
     for step in range(n_steps):

@@ -89,12 +89,16 @@ def test_stuck_or_dead_peer_raises_on_every_survivor(mode, world, how):
 @pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
 def test_adamw_topk_in_momentum_space_keeps_quality(mode):
     # measured (teacher task, AdamW, 150 steps, 2 ranks): FSDP 1.070x plain's final loss in
-    # momentum space, 1.218x on the gradient path; HSDP 1.164x on the gradient path
+    # momentum space, 1.034x on the gradient path (each owner's own chunk is exact: half the
+    # gradient at 2 ranks); HSDP 1.164x on the gradient path
     dense = spawn(R.adam_quality, 2, mode, None, 150, "auto", timeout=120)[0]["final"]
     ours = spawn(R.adam_quality, 2, mode, "topk:density=0.01", 150, "auto", timeout=120)
     grad = spawn(R.adam_quality, 2, mode, "topk:density=0.01", 150, None, timeout=120)
     assert ours[0]["adam"]["frozen"]
     assert ours[0]["final"] / dense <= 1.09, (ours[0]["final"], dense)
-    assert grad[0]["final"] / dense > 1.12, (grad[0]["final"], dense)
+    if mode == "hsdp":  # the gradient path alone loses quality where every value is compressed
+        assert grad[0]["final"] / dense > 1.12, (grad[0]["final"], dense)
+    else:
+        assert grad[0]["final"] / dense <= 1.09, (grad[0]["final"], dense)
     if mode == "hsdp":  # 2 replicas x 1 shard: the replicas hold the same bits
         assert torch.equal(ours[0]["local"], ours[1]["local"])

@@ -13,7 +13,11 @@ from comms.fsdp import FSDPCompressionState
                                   "randomk:density=0.1"])
 def test_supported_compressors_and_default_error_feedback(spec):
     st = FSDPCompressionState(spec)
-    assert st.mode == "fsdp" and st.algorithm is None
+    assert st.mode == "fsdp" and st.algorithm == "auto"
+    # the default parameter all-gather: full or int8 by measured calls for a lossy compressor;
+    # the identity stays full precision (bitwise plain FSDP2)
+    assert st.params == ("full" if spec == "identity" else "tuned")
+    assert FSDPCompressionState(spec, algorithm="scatter_reduce").params == ("full" if spec == "identity" else "int8")
     assert st.error_feedback == (spec not in ("identity", "qsgd:bits=4"))
     assert FSDPCompressionState(spec, error_feedback=False).error_feedback is False
 
@@ -27,6 +31,8 @@ def test_supported_compressors_and_default_error_feedback(spec):
     (dict(compressor="sign", error_feedback="yes"), TypeError, "error_feedback"),
     (dict(compressor="sign", algorithm="two_phase"), ValueError, "HSDP"),
     (dict(compressor="sign", replicate_group=object()), TypeError, "replicate_group"),
+    (dict(compressor="sign", params="int3"), ValueError, "params must be one of"),
+    (dict(compressor="sign", params=8), ValueError, "params must be one of"),
 ])
 def test_bad_options_name_the_value(kw, err, words):
     with pytest.raises(err, match=words):
@@ -52,14 +58,14 @@ def test_state_dict_is_weights_only_and_round_trips():
 
 @pytest.mark.parametrize("change, words", [
     (dict(compressor="sign"), "compressor"), (dict(modules=["other"]), "modules"),
-    (dict(error_feedback=False), "error_feedback")])
+    (dict(error_feedback=False), "error_feedback"), (dict(params="int4"), "params")])
 def test_load_refuses_another_configuration_before_changing_anything(change, words):
     st = FSDPCompressionState("topk:density=0.1")
     st.modules = ["a"]
     st.steps = {0: 2}
     sd = st.state_dict()
     other = FSDPCompressionState(change.get("compressor", "topk:density=0.1"),
-                                 error_feedback=change.get("error_feedback"))
+                                 error_feedback=change.get("error_feedback"), params=change.get("params"))
     other.modules = change.get("modules", ["a"])
     with pytest.raises(ValueError, match=words):
         other.load_state_dict(sd)

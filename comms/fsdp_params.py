@@ -1,0 +1,144 @@
+"""Quantized parameter all-gather for FSDP2 (ZeRO++'s qwZ on torch's ``fully_shard``).
+
+An FSDP2 step moves the parameters twice (the all-gather before forward and again before
+backward) and the gradient once; :class:`QuantizedAllGather` is the module's custom
+all-gather (``FSDPModule.set_custom_all_gather``): each rank block-quantizes its flat
+all-gather input (:class:`compressors.blockquant.BlockQuantizer`: int8 or int4 codes, one
+fp32 scale per 256 elements), the payloads are all-gathered, and **every rank decodes every
+payload — its own included** into FSDP's all-gather output. So every rank computes with the
+same unsharded parameters, bit for bit; the fp32 sharded parameters the optimizer updates
+(and a checkpoint saves) are never touched. Quantization is deterministic: the forward and
+backward all-gathers of a step see the same values.
+
+Routes per call: ``"full"`` (FSDP's own all-gather, unchanged) or the codec's. ``params=
+"auto"`` with ``algorithm="auto"`` times both on each module's first calls and keeps the
+faster (one all-reduce of the medians: the same decision on every rank); with a pinned
+algorithm ``"auto"`` means int8 in FSDP mode for a lossy gradient compressor, full precision
+otherwise (HSDP gathers inside a host; the identity compressor stays bitwise plain FSDP2).
+All-gather inputs that are not floating point (float8 / uint8 extensions) always go full.
+
+On the CPU (gloo) the call returns a ``Work`` whose ``wait`` decodes: FSDP's backward
+prefetch issues the next module's all-gather before this module's backward, so the transfer
+overlaps compute. Elsewhere it is synchronous unless FSDP asks for ``async_op``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from compressors.blockquant import BlockQuantizer
+
+from .algorithms import DENSE
+from .deadline import clean_message, failure, wait
+from .errors import where
+
+try:  # a private path of torch 2.11-2.13: ``import comms`` must not fail where it moved
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+except ImportError:  # pragma: no cover - FSDP duck-types the comm
+    AllGather = object
+
+__all__ = ["PARAM_MODES", "QuantizedAllGather", "GatherStats", "resolve_params"]
+
+#: ``params=`` values: ``auto`` (see the module docstring), ``full``, ``int8``, ``int4``
+PARAM_MODES = ("auto", "full", "int8", "int4")
+
+
+def resolve_params(params, mode: str, algorithm, lossless: bool) -> str:
+    """What ``params=`` means for this state: ``"full"``, ``"int8"``, ``"int4"`` or
+    ``"tuned"`` (full or int8 per module, by measured calls)."""
+    if params is None:
+        params = "auto"
+    if not isinstance(params, str) or params not in PARAM_MODES:
+        raise ValueError(f"params must be one of {PARAM_MODES}, got {params!r}")
+    if params != "auto":
+        return params
+    if mode != "fsdp" or lossless:
+        return "full"
+    return "tuned" if algorithm == "auto" else "int8"
+
+
+@dataclass
+class GatherStats:
+    """One module's parameter all-gathers: calls, bytes one rank sent and would have sent
+    at full precision, seconds of encode and decode."""
+
+    calls: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    codec_s: float = 0.0
+
+
+class QuantizedAllGather(AllGather):
+    """The parameter all-gather of one FSDP module (see the module docstring). Built by
+    :func:`comms.fsdp.register`; one instance per module.
+
+    Example::
+
+        >>> ag = QuantizedAllGather(state, index=0)
+        >>> out = ag.allocate((world * n,), dtype=torch.float32, device="cpu")
+        >>> work = ag(out, shard, group)    # None, or a Work: wait() before reading out
+    """
+
+    def __init__(self, state, index: int):
+        self.state, self.index = state, index
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _route(self, comm) -> str:
+        st, idx = self.state, self.index
+        if st.params != "tuned":
+            return st.params
+        tuner, k = st.gather_tuner, st.gather_stats.setdefault(idx, GatherStats()).calls
+        if tuner.due(idx, k):
+            tuner.decide(idx, comm, f"{st.modules[idx] or '<root>'} parameter all-gather")
+        return "int8" if tuner.route(idx, k) != DENSE else "full"
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        st, idx = self.state, self.index
+        comm = st.comm_for(group)
+        x, out = input_tensor.view(-1), output_tensor.view(-1)
+        route = self._route(comm) if x.is_floating_point() else "full"
+        rec = st.gather_stats.setdefault(idx, GatherStats())
+        k, rec.calls = rec.calls, rec.calls + 1
+        dense = (comm.world_size - 1) * x.numel() * x.element_size()
+        rec.dense_bytes += dense
+        if route == "full":
+            rec.wire_bytes += dense
+            t0 = time.perf_counter()
+            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                               async_op=async_op or st.gather_tuner is not None)
+            if st.gather_tuner is not None:  # a timed call: the transfer is part of it
+                work.wait()
+                st.gather_tuner.record(idx, k, DENSE, time.perf_counter() - t0)
+                return None
+            return work
+        codec = st.param_codecs[route]
+        rec.wire_bytes += (comm.world_size - 1) * codec.payload_bytes(x.numel())
+        what = where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} {route} parameter all-gather",
+                     idx, x.numel(), x.dtype, rec.calls - 1)
+        t0 = time.perf_counter()
+        try:
+            fut = comm.all_gather(codec.encode(x))
+            rec.codec_s += time.perf_counter() - t0
+            if st.gather_tuner is None and (async_op or x.device.type == "cpu"):
+                return torch._C._distributed_c10d._create_work_from_future(
+                    fut.then(lambda f: self._decode(codec, f.value(), out, comm.world_size)))
+            recv = wait(fut, comm.timeout, what)
+            self._decode(codec, recv, out, comm.world_size)
+        except (RuntimeError, ValueError) as exc:
+            if clean_message(exc).startswith("commpress:"):
+                raise
+            raise failure(what, exc) from None
+        if st.gather_tuner is not None:
+            st.gather_tuner.record(idx, k, "compressed", time.perf_counter() - t0)
+        return None
+
+    def _decode(self, codec: BlockQuantizer, recv: torch.Tensor, out: torch.Tensor, world: int) -> None:
+        t0 = time.perf_counter()
+        codec.decode_into(recv, out, world)
+        self.state.gather_stats[self.index].codec_s += time.perf_counter() - t0

@@ -1,0 +1,106 @@
+"""Rank bodies for the quantized parameter all-gather tests (module level for ``spawn``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import comms
+from dist.fsdp_ranks import (local_shards, make_model, pinned, set_local_shards_, shard_model, steps,
+                             teacher_data)
+
+
+def _build(world, spec, seed=0, **kw):
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = shard_model(make_model(seed), mesh)
+    state = None if spec is None else comms.fsdp.register(model, spec, **pinned(spec, **kw))
+    return model, state
+
+
+def gathered_in_forward(model, x) -> list[torch.Tensor]:
+    """The unsharded parameters every Linear computes with (read inside its forward)."""
+    seen = []
+
+    def grab(mod, _args):
+        seen.extend(p.detach().clone() for p in mod.parameters(recurse=False))
+
+    hooks = [m.register_forward_pre_hook(grab) for m in model.modules() if isinstance(m, nn.Linear)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def int8_after_steps(rank, world, spec, n_steps, params="int8"):
+    """``n_steps`` of SGD momentum with quantized parameter all-gathers; then the parameters a
+    forward computes with on every rank, the fp32 master parameters, the report."""
+    model, state = _build(world, spec, params=params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    steps(model, opt, rank, 0, n_steps, losses)
+    used = gathered_in_forward(model, torch.randn(4, 32, generator=torch.Generator().manual_seed(5)))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, [t.reshape(-1) for t in used])
+    master = [p.full_tensor().detach().reshape(-1) for p in model.parameters()]
+    return {"used": everyone, "master": master, "losses": losses, "report": state.report(),
+            "wire": {i: (g.wire_bytes, g.dense_bytes, g.calls) for i, g in state.gather_stats.items()}}
+
+
+def resume_int8(rank, world, spec, ckpt_dir, params="int8"):
+    """10 steps straight vs 5 + checkpoint (master shards + commpress state) + fresh model + 5."""
+    model, state = _build(world, spec, params=params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps(model, opt, rank, 0, 10)
+    straight = local_shards(model)
+    model, state = _build(world, spec, params=params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps(model, opt, rank, 0, 5)
+    path = os.path.join(ckpt_dir, f"fsdp_params.rank{rank}.pt")
+    torch.save({"shards": local_shards(model), "comm": state.state_dict()}, path)
+    del model, state, opt
+    ck = torch.load(path, weights_only=True)
+    model, state = _build(world, spec, seed=7, params=params)
+    state.load_state_dict(ck["comm"])
+    set_local_shards_(model, ck["shards"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps(model, opt, rank, 5, 10)
+    return {"straight": straight, "resumed": local_shards(model), "params": ck["comm"]["params"]}
+
+
+def teacher_losses(rank, world, spec, n_steps, params="full"):
+    """The teacher task (bench-like quality check), FSDP2 over all ranks; ``spec=None``:
+    plain FSDP2. Returns the held-out loss every 10 steps."""
+    x, y, ex, ey = teacher_data()
+    model, _state = _build(world, spec, params=params)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    evals = []
+    for s in range(n_steps):
+        g = torch.Generator().manual_seed(10_000 + s)
+        idx = torch.randint(0, x.shape[0], (16 * world,), generator=g)[rank * 16:(rank + 1) * 16]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+        if (s + 1) % 10 == 0:
+            with torch.no_grad():
+                evals.append(float(nn.functional.cross_entropy(model(ex), ey)))
+    return evals
+
+
+def bad_params(rank, world):
+    """A bad params= value raises ValueError naming it; the model keeps FSDP's own comms."""
+    model, _ = _build(world, None)
+    try:
+        comms.fsdp.register(model, "sign", params="int3")
+    except ValueError as exc:
+        err = str(exc)
+    else:
+        err = None
+    groups = [g for _, m in comms.fsdp.fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    return {"error": err, "gathers": [type(g._all_gather_comm).__name__ for g in groups],
+            "scatters": [type(g._reduce_scatter_comm).__name__ for g in groups]}

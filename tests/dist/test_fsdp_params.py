@@ -1,0 +1,57 @@
+"""The quantized parameter all-gather on gloo ranks: every rank computes with the same
+unsharded parameters (bitwise, after 200 steps), close to the fp32 masters by the codec's
+bound; resume is bitwise; quality at equal steps within a bound of plain FSDP2."""
+
+import pytest
+import torch
+
+from comms.launch import spawn
+from compressors.blockquant import BlockQuantizer
+from dist import fsdp_param_ranks as P
+
+pytestmark = [pytest.mark.dist]
+
+
+@pytest.mark.parametrize("world,params", [(2, "int8"), (3, "int4")])
+def test_every_rank_computes_with_the_same_parameters_after_200_steps(world, params):
+    res = spawn(P.int8_after_steps, world, "sign", 200, params, timeout=600)
+    levels = 127 if params == "int8" else 7
+    for r in res:
+        used, master = r["used"][0], r["master"]
+        for other in r["used"][1:]:
+            assert all(torch.equal(a, b) for a, b in zip(used, other))  # bitwise, every rank
+        # what a forward uses is the master quantized: within half a step of its block's
+        # scale (a block may span parameters of one module: bounded by the largest master)
+        top = max(float(m.abs().max()) for m in master)
+        for u, m in zip(used, master):
+            bound = top / levels / 2 * (1 + 1e-5)
+            assert (u - m).abs().max() <= bound
+            assert not torch.equal(u, m) or m.numel() < 4
+        assert all(v == v for v in r["losses"])
+        # every call sends the codec's payload (codes + a scale per 256 elements) to each peer
+        codec = BlockQuantizer(int(params[3:]))
+        for wire, dense, calls in r["wire"].values():
+            n = dense // (calls * (world - 1) * 4)
+            assert calls > 0 and wire == calls * (world - 1) * codec.payload_bytes(n)
+    assert torch.equal(res[0]["master"][0], res[-1]["master"][0])
+
+
+def test_resume_with_quantized_parameters_is_bitwise(tmp_path):
+    res = spawn(P.resume_int8, 2, "topk:density=0.1", str(tmp_path), timeout=600)
+    for r in res:
+        assert r["params"] == "int8"
+        assert torch.equal(r["straight"], r["resumed"])
+
+
+def test_int8_parameters_alone_keep_the_loss_of_plain_fsdp2():
+    plain = spawn(P.teacher_losses, 2, None, 150, timeout=600)[0]
+    int8 = spawn(P.teacher_losses, 2, "identity", 150, "int8", timeout=600)[0]
+    assert plain[-1] < 0.8 * plain[0]  # the task is learned
+    assert int8[-1] <= 1.02 * plain[-1], (int8[-1], plain[-1])
+
+
+def test_bad_params_value_changes_nothing():
+    for r in spawn(P.bad_params, 2, timeout=120):
+        assert r["error"] is not None and "'int3'" in r["error"] and "params" in r["error"]
+        assert set(r["gathers"]) == {"DefaultAllGather"}
+        assert set(r["scatters"]) == {"DefaultReduceScatter"}
