@@ -1,36 +1,38 @@
-"""FSDP2 / HSDP step time: plain FSDP2 (and torch's native HSDP) against each compressed
-reduce-scatter / replicate all-reduce of comms.fsdp, one run.
+"""FSDP2 / HSDP step time: plain FSDP2, torch's mixed-precision policies and comms.fsdp's
+default and hand-picked settings, one run, rows interleaved step by step.
 
 A small causal transformer (embedding, ``--depth`` encoder layers of width ``--width``, head;
 each layer and the root ``fully_shard``-ed over all ranks), AdamW, the same batches for
-every configuration. Every row is measured inside one process group, so ratios are within
-one run; two floors are measured in the same run: ``local (no comm)`` — forward, backward and
-optimizer step of the unsharded model on each rank with no collective at all — and dense
-FSDP2 again at the end (drift of the shared cores).
+every configuration. Every row is built once in one process group and the rows take turns
+(one step of each per round), so ratios are within one run on the same machine state; two
+floors are measured in the same run: ``local (no comm)`` — forward, backward and optimizer
+step of the unsharded model on each rank with no collective at all — and the transfer floor
+``raw_ms`` (each row's wire bytes at the link rate); dense FSDP2 runs twice (drift).
+
+Rows: dense FSDP2; torch's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` and
+``(reduce_dtype=bf16)``; ours as ``name[@algorithm][#params]`` — bare is the default path
+(``comms.fsdp.register(model, name)``: ``algorithm`` and ``params`` ``"auto"``, decided per
+module by measured calls during the warm-up), anything else is labelled as hand-picked.
 
 **HSDP** (``--per-host K``, ``-n`` = hosts x K): ranks are placed host-major on netsim hosts
 (``K`` ranks per host, their traffic inside a host unshaped loopback, between hosts the shaped
-link) and the rows are: the no-comm floor; flat 1-D FSDP2 over every rank, dense and with our
-compressed reduce-scatter (every collective crosses the slow link); torch's native HSDP on a
-``(replicate=hosts, shard=K)`` mesh, dense and with ``MixedPrecisionPolicy(reduce_dtype=bf16)``
-(torch's own compressed gradient reduction: FSDP2 has no DDP comm hooks, and torch's PowerSGD
-does not apply); ours: 1-D FSDP over the host's shard group plus our compressed all-reduce
-across the replicate group; native HSDP again (drift). Extra columns: ``link_bytes``, what one
-rank sends over the slow link per step in the gradient sync (HSDP rows); ``raw_ms``, the time
-the host's link needs for its ranks' ``link_bytes`` at the link rate (``K x link_bytes x 8 /
-rate``: the transfer floor); ``codec_ms``, our hooks' whole work per step run against a
-loopback communicator (no transfer: compression, decoding, sums, error feedback), measured on
-every rank at once after the timed steps, max over ranks.
+link) and the rows are: the no-comm floor; flat 1-D FSDP2 over every rank, dense and ours
+(every collective crosses the slow link); torch's native HSDP on a ``(replicate=hosts,
+shard=K)`` mesh, dense and with the mixed-precision policies; ours: 1-D FSDP over the host's
+shard group plus our compressed all-reduce across the replicate group; native HSDP again
+(drift). ``link_bytes``: what one rank sends over the slow link per step in the gradient sync
+(HSDP rows); ``raw_ms`` there: ``K x link_bytes x 8 / rate``.
 
 Usage::
 
     python bench/fsdp_step.py -n 2                                      # unshaped loopback
     python bench/fsdp_step.py -n 2 --netsim 1gbit --out bench/results/fsdp_step_1gbit
     python bench/fsdp_step.py -n 4 --per-host 2 --netsim 1gbit --out bench/results/fsdp_step_hsdp_1gbit
+    python bench/fsdp_step.py -n 2 --profile sign --netsim 1gbit        # where one step's time goes
 
-Wire bytes are what one rank sends per step in the gradient reduce-scatter (dense FSDP2:
-``(W-1)/W`` of the fp32 gradient; the parameter all-gathers are the same in every row and
-not counted).
+Wire bytes are what one rank sends per step: the gradient reduce-scatter plus the parameter
+all-gathers (twice a step per module, once for the root, which FSDP2 keeps unsharded between
+forward and backward).
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ from comms.futures import completed
 
 __all__ = ["TinyLM", "rank_main", "main"]
 
-DEFAULT_SPECS = "fp16,bf16,qsgd:bits=4,sign,topk:density=0.01,randomk:density=0.01"
-# HSDP run: ours on the replicate all-reduce ("spec@algorithm"; no algorithm: the state's default)
-DEFAULT_HSDP_SPECS = ("identity,fp16,bf16,qsgd:bits=8,qsgd:bits=4,qsgd:bits=8@two_phase,sign,"
-                      "topk:density=0.01,randomk:density=0.01")
-# ... and on the flat 4-rank FSDP reduce-scatter
-DEFAULT_FLAT_SPECS = "fp16,qsgd:bits=4,sign,topk:density=0.01"
+# flat run: ours, "name[@algorithm][#params]"; bare = every default (algorithm and params "auto")
+DEFAULT_SPECS = ("qsgd:bits=4,sign,topk:density=0.01,fp16,"
+                 "qsgd:bits=4@scatter_reduce#full,sign@scatter_reduce#int8,sign@scatter_reduce#int4,identity#int8")
+# HSDP run: ours on the replicate all-reduce
+DEFAULT_HSDP_SPECS = "fp16,qsgd:bits=4,sign,topk:density=0.01,qsgd:bits=4@allreduce,sign@allgather"
+# ... and on the flat 4-rank FSDP over every rank
+DEFAULT_FLAT_SPECS = "qsgd:bits=4,sign"
 VOCAB, SEQ = 128, 64
 
 
@@ -128,14 +131,29 @@ class LoopbackComm(comms.communicator.Communicator):
 
 
 def _split(spec: str):
+    """``name[@algorithm][#params]`` -> (name, register kwargs); bare: every default."""
+    spec, _, params = spec.partition("#")
     name, _, alg = spec.partition("@")
-    return name, (alg or None)
+    kw = {}
+    if alg:
+        kw["algorithm"] = alg
+    if params:
+        kw["params"] = params
+    return name, kw
+
+
+def _label(spec: str) -> str:
+    name, kw = _split(spec)
+    if not kw:
+        return f"{name} (default)"
+    return f"{name} [" + ", ".join(f"{k}={v}" for k, v in kw.items()) + "]"
 
 
 def _codec_ms(state, group, reps: int = 3) -> float:
-    """Milliseconds per step of our hooks' work with the transfers removed: every module's
-    hook called on a fresh gradient of its size against :class:`LoopbackComm` (a copy of the
-    state, so the trained one is untouched); median of ``reps`` steps."""
+    """Milliseconds per step of our reduce-scatter / all-reduce hooks' work with the transfers
+    removed: every module's hook called on a fresh gradient of its size against
+    :class:`LoopbackComm` (a copy of the state, so the trained one is untouched); median of
+    ``reps`` steps. The parameter codec's time is measured in the run (``gather_stats``)."""
     import copy
 
     from comms.fsdp import CompressedReduceScatter, ReplicateAllReduce
@@ -161,72 +179,138 @@ def _codec_ms(state, group, reps: int = 3) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
-def _measure(name, args, rank, world, mesh, spec=None, local=False, replicate_group=None, mp=None,
-             dense_link=None):
-    """One row. ``mesh``: what the model is sharded over; ``spec``: ours (FSDP mode, or HSDP
-    with ``replicate_group``); ``mp``: a MixedPrecisionPolicy; ``dense_link``: bytes one rank
-    sends over the slow link per step when this row is a dense HSDP row (else from our stats)."""
-    model = _model(args, None if local else mesh, mp)
-    state = None
-    if spec:
-        name_, alg = _split(spec)
-        state = comms.fsdp.register(model, name_, start_iter=0, replicate_group=replicate_group,
-                                    algorithm=alg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times, loss = [], None
-    for step in range(args.warmup + args.steps):
-        x, y = _batch(rank, step, args.batch)
-        if not local:
+class Row:
+    """One configuration, built once and stepped in turn with the others (interleaved: every
+    row sees the same machine, round after round). ``mesh``: what the model is sharded over;
+    ``spec``: ours (FSDP mode, or HSDP with ``replicate_group``); ``mp``: a
+    MixedPrecisionPolicy; ``dense_link``: bytes one rank sends over the slow link per step
+    when this row is a dense HSDP row (else from our stats)."""
+
+    def __init__(self, name, args, rank, world, mesh, spec=None, local=False, replicate_group=None,
+                 mp=None, dense_link=None):
+        self.name, self.args, self.rank, self.local = name, args, rank, local
+        self.mesh, self.replicate_group, self.mp, self.dense_link = mesh, replicate_group, mp, dense_link
+        self.model = _model(args, None if local else mesh, mp)
+        self.state = None
+        if spec:
+            name_, kw = _split(spec)
+            self.state = comms.fsdp.register(self.model, name_, replicate_group=replicate_group, **kw)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.times, self.loss, self.steps = [], None, 0
+        self.world = world
+
+    def step(self, timed: bool) -> None:
+        x, y = _batch(self.rank, self.steps, self.args.batch)
+        if not self.local:
             dist.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        out = model(x)
-        loss = nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    ms = torch.tensor([statistics.median(times) * 1e3])
-    if not local:
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
-    numel = sum(p.numel() for p in model.parameters())
-    link = dense_link
-    codec = None
-    if spec:
-        wire = sum(s.wire_bytes for s in state.stats.values())
-        res = state.residual_bytes()
-        if replicate_group is not None:
-            link = wire
-        dist.barrier()
-        group = replicate_group if replicate_group is not None else mesh.get_group()
-        c = torch.tensor([_codec_ms(state, group)])
-        dist.all_reduce(c, op=dist.ReduceOp.MAX)
-        codec = c.item()
-    else:
-        if local:
-            wire = 0
-        elif mesh.ndim == 2:  # native HSDP: reduce-scatter in the shard group + replicate all-reduce
-            wire = None
+        self.opt.zero_grad()
+        out = self.model(x)
+        self.loss = nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+        self.loss.backward()
+        self.opt.step()
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+        self.steps += 1
+        if self.steps == self.args.warmup and self.state is not None:  # counters of the timed steps
+            self.mark = {i: (g.wire_bytes, g.codec_s) for i, g in self.state.gather_stats.items()}
+
+    def _dense_bytes(self) -> tuple[int, int]:
+        """(gradient, parameter) bytes one rank sends per step in FSDP's own collectives:
+        ``(W-1)/W`` of each module's padded size, the all-gather twice a step but for the root
+        (FSDP2 keeps the root unsharded between forward and backward)."""
+        from comms.fsdp import fsdp_modules
+
+        w, grad, par = self.world, 0, 0
+        pbytes = 2 if (self.mp is not None and self.mp.param_dtype is not None) else 4
+        rbytes = 2 if (self.mp is not None and self.mp.reduce_dtype is not None) else 4
+        for fqn, m in fsdp_modules(self.model):
+            n = sum(fp._sharded_param_data.numel() for fp in m._get_fsdp_state()._fsdp_param_groups[0].fsdp_params) * w
+            grad += (w - 1) * n * rbytes // w
+            par += (w - 1) * n * pbytes // w * (1 if fqn == "" else 2)
+        return grad, par
+
+    def result(self) -> dict:
+        ms = torch.tensor([statistics.median(self.times) * 1e3])
+        if not self.local:
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
+        link, codec, gather_codec, params = self.dense_link, None, None, None
+        n = len(self.times)
+        if self.local:
+            wire, res = 0, 0
+        elif self.state is None:
+            res = 0
+            if self.mesh.ndim == 2:  # native HSDP: reduce-scatter in the shard group + replicate all-reduce
+                wire = None
+            else:
+                grad, par = self._dense_bytes()
+                wire, params = grad + par, par
         else:
-            wire = (world - 1) * numel * (2 if mp is not None else 4) // world
-        res = 0
-    return {"config": name, "step_ms": ms.item(), "wire_bytes": wire, "link_bytes": link,
-            "codec_ms": codec, "ef_bytes": res, "loss": loss.item()}
+            st = self.state
+            grad = sum(s.wire_bytes for s in st.stats.values())  # each module's last call: one a step
+            par = sum(g.wire_bytes - self.mark.get(i, (0, 0))[0] for i, g in st.gather_stats.items()) // n
+            gather_codec = sum(g.codec_s - self.mark.get(i, (0, 0))[1]
+                               for i, g in st.gather_stats.items()) * 1e3 / n
+            res = st.residual_bytes()
+            if self.replicate_group is not None:
+                link, wire = grad, grad
+            else:
+                if not st.gather_stats:
+                    par = self._dense_bytes()[1]
+                wire, params = grad + par, par
+            dist.barrier()
+            group = self.replicate_group if self.replicate_group is not None else self.mesh.get_group()
+            c = torch.tensor([_codec_ms(st, group) + (gather_codec or 0.0)])
+            dist.all_reduce(c, op=dist.ReduceOp.MAX)
+            codec = c.item()
+        return {"config": self.name, "step_ms": ms.item(), "wire_bytes": wire, "param_bytes": params,
+                "link_bytes": link, "codec_ms": codec, "ef_bytes": res, "loss": self.loss.item(),
+                "decisions": None if self.state is None else _decisions(self.state)}
+
+
+def _decisions(state) -> str | None:
+    """``auto``'s per-module routes, short: ``g`` gradient compressed / ``d`` dense, then
+    ``8`` int8 / ``f`` full parameters (``-``: not tuned)."""
+    if state.tuner is None and state.gather_tuner is None:
+        return None
+    out = []
+    for i in range(len(state.modules)):
+        g = "-" if state.tuner is None else {"compressed": "g", "dense": "d"}.get(state.tuner.decision.get(i), "?")
+        p = "-" if state.gather_tuner is None else {"compressed": "8", "dense": "f"}.get(
+            state.gather_tuner.decision.get(i), "?")
+        out.append(g + p)
+    return " ".join(out)
+
+
+def _run_rows(args, rows: list[Row]) -> list[dict]:
+    """Warm-up then timed steps, one step of every row per round (the rows interleaved)."""
+    for k in range(args.warmup + args.steps):
+        for r in rows:
+            r.step(timed=k >= args.warmup)
+    return [r.result() for r in rows]
+
+
+def _torch_mp():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"torch bf16 params+grads": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+            "torch bf16 grads": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}
 
 
 def _rows_flat(args, rank, world, mesh):
     specs = [s for s in args.specs.split(",") if s]
-    rows = [_measure("local (no comm) floor", args, rank, world, mesh, local=True),
-            _measure("dense FSDP2", args, rank, world, mesh)]
-    rows += [_measure(s, args, rank, world, mesh, spec=s) for s in specs]
-    rows.append(_measure("dense FSDP2 (again)", args, rank, world, mesh))
-    return rows, rows[1]
+    rows = [Row("local (no comm) floor", args, rank, world, mesh, local=True),
+            Row("dense FSDP2", args, rank, world, mesh)]
+    rows += [Row(name, args, rank, world, mesh, mp=mp) for name, mp in _torch_mp().items()]
+    rows += [Row(_label(s), args, rank, world, mesh, spec=s) for s in specs]
+    rows.append(Row("dense FSDP2 (again)", args, rank, world, mesh))
+    out = _run_rows(args, rows)
+    return out, out[1]
 
 
 def _rows_hsdp(args, rank, world):
     """host-major ranks; mesh (replicate=hosts, shard=per_host)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     hosts, per_host = world // args.per_host, args.per_host
     flat = init_device_mesh("cpu", (world,))
@@ -235,21 +319,22 @@ def _rows_hsdp(args, rank, world):
     # dense native HSDP: gloo's allreduce of this rank's gradient shard across the replicate group
     shard_numel = sum(p.to_local().numel() for p in _model(args, mesh["shard"]).parameters())
     dense_link = 2 * (hosts - 1) * shard_numel * 4 // hosts
-    rows = [_measure("local (no comm) floor", args, rank, world, flat, local=True),
-            _measure(f"flat FSDP2 {world} ranks dense", args, rank, world, flat)]
-    rows += [_measure(f"flat FSDP2 ours {s}", args, rank, world, flat, spec=s)
+    rows = [Row("local (no comm) floor", args, rank, world, flat, local=True),
+            Row(f"flat FSDP2 {world} ranks dense", args, rank, world, flat)]
+    rows += [Row(f"flat FSDP2 ours {_label(s)}", args, rank, world, flat, spec=s)
              for s in args.flat_specs.split(",") if s]
-    rows += [_measure("HSDP dense (torch native)", args, rank, world, mesh, dense_link=dense_link),
-             _measure("HSDP torch reduce_dtype=bf16", args, rank, world, mesh,
-                      mp=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), dense_link=dense_link // 2)]
-    dense = rows[-2]
-    rows += [_measure(f"HSDP ours {s}", args, rank, world, mesh["shard"], spec=s, replicate_group=rg)
+    rows += [Row("HSDP dense (torch native)", args, rank, world, mesh, dense_link=dense_link)]
+    rows += [Row(f"HSDP {name}", args, rank, world, mesh, mp=mp, dense_link=dense_link // 2)
+             for name, mp in _torch_mp().items()]
+    rows += [Row(f"HSDP ours {_label(s)}", args, rank, world, mesh["shard"], spec=s, replicate_group=rg)
              for s in args.hsdp_specs.split(",") if s]
-    rows.append(_measure("HSDP dense (again)", args, rank, world, mesh, dense_link=dense_link))
+    rows.append(Row("HSDP dense (again)", args, rank, world, mesh, dense_link=dense_link))
+    out = _run_rows(args, rows)
+    dense = next(r for r in out if r["config"] == "HSDP dense (torch native)")
     rate = _rate_bps(args.link)
-    for r in rows:  # the host's link carries its per_host ranks' bytes
+    for r in out:  # the host's link carries its per_host ranks' bytes
         r["raw_ms"] = per_host * r["link_bytes"] * 8 / rate * 1e3 if (rate and r["link_bytes"]) else None
-    return rows, dense
+    return out, dense
 
 
 def _rate_bps(link):
@@ -261,24 +346,51 @@ def _rate_bps(link):
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
+def _profile(args, rank, world, mesh):
+    """Rank 0's torch.profiler table of ``--steps`` steps of dense FSDP2 and of ours."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = [Row("dense FSDP2", args, rank, world, mesh), Row(_label(args.profile), args, rank, world, mesh,
+                                                           spec=args.profile)]
+    for _ in range(args.warmup):
+        for r in rows:
+            r.step(timed=False)
+    for r in rows:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                r.step(timed=True)
+        if rank == 0:
+            print(f"## {r.name}: median step {statistics.median(r.times) * 1e3:.1f} ms; "
+                  f"profiler totals over {args.steps} steps", flush=True)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.profile_rows), flush=True)
+            if r.state is not None:
+                print(r.state.report(), flush=True)
+    return None
+
+
 def rank_main(rank: int, world: int, args):
     from torch.distributed.device_mesh import init_device_mesh
 
+    if args.profile:
+        return _profile(args, rank, world, init_device_mesh("cpu", (world,)))
     if args.per_host > 1:
         rows, dense = _rows_hsdp(args, rank, world)
     else:
         rows, dense = _rows_flat(args, rank, world, init_device_mesh("cpu", (world,)))
+    floor = rows[0]["step_ms"]
+    rate = _rate_bps(args.link)
     for r in rows:
         r["speedup"] = dense["step_ms"] / r["step_ms"]
-        r["wire_ratio"] = dense["wire_bytes"] / r["wire_bytes"] if (r["wire_bytes"] and dense["wire_bytes"]) else None
+        r["x_floor"] = r["step_ms"] / floor
+        if args.per_host == 1:
+            r["raw_ms"] = r["wire_bytes"] * 8 / rate * 1e3 if (rate and r["wire_bytes"]) else None
     if rank != 0:
         return None
-    cols = ["config", "step_ms", "speedup", "wire_bytes", "wire_ratio", "ef_bytes", "loss"]
+    cols = ["config", "step_ms", "speedup", "x_floor", "wire_bytes", "param_bytes", "raw_ms", "codec_ms",
+            "ef_bytes", "loss", "decisions"]
     if args.per_host > 1:
-        cols = ["config", "step_ms", "speedup", "link_bytes", "raw_ms", "codec_ms", "wire_bytes",
-                "ef_bytes", "loss"]
-    elif any(r["codec_ms"] is not None for r in rows):
-        cols.insert(5, "codec_ms")
+        cols = ["config", "step_ms", "speedup", "x_floor", "link_bytes", "raw_ms", "codec_ms", "wire_bytes",
+                "ef_bytes", "loss", "decisions"]
     print(tables.format_table(rows, cols), flush=True)
     if args.out:
         load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -290,9 +402,17 @@ def rank_main(rank: int, world: int, args):
               f"Machine: {machine.machine_facts()}. Load at the end of the run: `{load}`.",
               f"Model {numel} parameters (width {args.width}, depth {args.depth}), batch {args.batch} x "
               f"{SEQ} tokens per rank, AdamW; median of {args.steps} steps after {args.warmup} warm-up "
-              "steps, max over ranks; speedup = the dense row's step_ms / this row's, in this run. "
-              "wire_bytes: what one rank sends per step in the gradient reduce-scatter (flat rows) "
-              "or in our replicate all-reduce (HSDP ours); ef_bytes: error-feedback memory per rank.",
+              "steps, max over ranks, the rows interleaved step by step; speedup = the dense row's "
+              "step_ms / this row's, x_floor = this row's / the no-comm floor's, in this run. "
+              "`(default)`: `comms.fsdp.register(model, spec)` with every default (algorithm and "
+              "params `auto`); `[...]`: hand-picked settings. wire_bytes: what one rank sends per "
+              "step, gradients and parameter all-gathers (flat rows; HSDP ours: our replicate "
+              "all-reduce), param_bytes the all-gathers' part; raw_ms: wire_bytes at the link rate "
+              "(the transfer floor); codec_ms: our hooks' work per step with no transfer (the "
+              "reduce-scatter's on a loopback communicator after the run, plus the parameter "
+              "codec's encode/decode time measured in the run); decisions: `auto`'s per-module "
+              "routes (g/d: gradient compressed/dense; 8/f: int8/full parameters); ef_bytes: "
+              "error-feedback memory per rank.",
               "", tables.format_table(rows, cols, markdown=True), ""]
         tables.write_text(args.out + ".md", "\n".join(md) + "\n")
     return rows
@@ -321,13 +441,17 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=25,
+                   help="untimed steps (auto decides each module after its warm-up ramp and 10 calls)")
+    p.add_argument("--profile", metavar="SPEC", default=None,
+                   help="profile dense FSDP2 and ours SPEC (torch.profiler, rank 0): where a step's time goes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--specs", default=DEFAULT_SPECS, help="flat FSDP2 run (no --per-host): ours")
     p.add_argument("--per-host", type=int, default=1,
                    help="ranks per (netsim) host; > 1: the HSDP run (mesh replicate=hosts x shard=per-host)")
     p.add_argument("--hsdp-specs", default=DEFAULT_HSDP_SPECS, help="HSDP run: ours, 'spec@algorithm'")
     p.add_argument("--flat-specs", default=DEFAULT_FLAT_SPECS, help="HSDP run: ours on flat FSDP2")
+    p.add_argument("--profile-rows", type=int, default=30, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)

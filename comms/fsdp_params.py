@@ -17,9 +17,11 @@ algorithm ``"auto"`` means int8 in FSDP mode for a lossy gradient compressor, fu
 otherwise (HSDP gathers inside a host; the identity compressor stays bitwise plain FSDP2).
 All-gather inputs that are not floating point (float8 / uint8 extensions) always go full.
 
-On the CPU (gloo) the call returns a ``Work`` whose ``wait`` decodes: FSDP's backward
-prefetch issues the next module's all-gather before this module's backward, so the transfer
-overlaps compute. Elsewhere it is synchronous unless FSDP asks for ``async_op``.
+On the CPU (gloo) the call returns a ``Work`` whose ``wait`` decodes, so a prefetched
+all-gather overlaps compute: FSDP's backward prefetch issues the next module's all-gather
+before this module's backward. (An explicit forward prefetch of the next module was measured
+slower on 2 cores — bench/fsdp_step.py — and is not set.) Elsewhere the call is synchronous
+unless FSDP asks for ``async_op``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ try:  # a private path of torch 2.11-2.13: ``import comms`` must not fail where 
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 except ImportError:  # pragma: no cover - FSDP duck-types the comm
     AllGather = object
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 __all__ = ["PARAM_MODES", "QuantizedAllGather", "GatherStats", "resolve_params"]
 
@@ -110,8 +115,8 @@ class QuantizedAllGather(AllGather):
         if route == "full":
             rec.wire_bytes += dense
             t0 = time.perf_counter()
-            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
-                                               async_op=async_op or st.gather_tuner is not None)
+            work = _all_gather_single(output_tensor, input_tensor, group=group,
+                                      async_op=async_op or st.gather_tuner is not None)
             if st.gather_tuner is not None:  # a timed call: the transfer is part of it
                 work.wait()
                 st.gather_tuner.record(idx, k, DENSE, time.perf_counter() - t0)

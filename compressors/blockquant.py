@@ -93,7 +93,7 @@ class BlockQuantizer:
             raise ValueError(f"block-quantized gather of {recv.numel()} bytes does not hold {world} "
                              f"payloads of {n} elements ({nbytes} bytes each)")
         rows = recv.view(world, nbytes)
-        step = rows[:, :4 * nb].view(torch.float32) / self.levels      # (world, nb)
+        step = (rows[:, :4 * nb].view(torch.float32) / self.levels).unsqueeze(2)  # (world, nb, 1)
         codes = rows[:, 4 * nb:]
         if self.bits == 8:
             vals = codes.view(torch.int8).view(world, nb, BLOCK).to(torch.float32)
@@ -101,5 +101,10 @@ class BlockQuantizer:
             lo = codes.bitwise_and(15).to(torch.float32).sub_(8)
             hi = codes.bitwise_right_shift(4).to(torch.float32).sub_(8)
             vals = torch.stack((lo, hi), dim=-1).view(world, nb, BLOCK)
-        vals.mul_(step.unsqueeze(2))
-        out.view(world, n).copy_(vals.view(world, nb * BLOCK)[:, :n])
+        o, full = out.view(world, n), n // BLOCK
+        if out.dtype == torch.float32 and full:  # whole blocks straight into the output
+            torch.mul(vals[:, :full], step[:, :full], out=o[:, :full * BLOCK].view(world, full, BLOCK))
+            if n > full * BLOCK:
+                o[:, full * BLOCK:] = vals[:, full, :n - full * BLOCK] * step[:, full]
+            return
+        o.copy_(vals.mul_(step).view(world, nb * BLOCK)[:, :n])
