@@ -150,7 +150,10 @@ def _equip(state: FSDPCompressionState, mods) -> None:
         if state.params != "full":
             m.set_custom_all_gather(QuantizedAllGather(state, i))
         if state.mode == "fsdp":
-            m.set_custom_reduce_scatter(CompressedReduceScatter(state, i))
+            # the reduce-scatter divides itself (FSDP's divide would read the output at once),
+            # so its exchange may overlap the rest of backward
+            m.set_gradient_divide_factor(1.0)
+            m.set_custom_reduce_scatter(CompressedReduceScatter(state, i, module=m))
         else:
             m.set_gradient_divide_factor(state.divide_factors[i])
             m.set_all_reduce_hook(ReplicateAllReduce(state, i))

@@ -111,12 +111,31 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
     """The FSDP-mode reduce-scatter of one module (an FSDP ``ReduceScatter``; see the module
     docstring). Built by :func:`comms.fsdp.register`; one instance per FSDP module.
 
+    Args:
+        state: the :class:`~comms.fsdp_state.FSDPCompressionState`.
+        index: the module's index in ``state.modules``.
+        module: the FSDP module, when FSDP's divide was handed over (``register`` sets the
+            module's divide factor to 1 and this call divides by ``state.divide_factors``):
+            then a compressed call inside backward returns once its exchange is issued, and
+            the decode lands in FSDP's output when backward ends (an autograd final
+            callback: :meth:`~comms.fsdp_state.FSDPCompressionState.finish_pending`) — the
+            exchange overlaps the rest of backward. It stays synchronous where FSDP reads the
+            output at once: a gradient to accumulate into, CPU offload, a post-accumulate-grad
+            hook, a reduce dtype other than the parameters', a call ``auto`` times, or with
+            an explicit ``timeout`` (each call then fails within it, before FSDP's next
+            collective — which only the process group's timeout bounds — can start).
+            ``None``: synchronous, the sum itself (FSDP divides).
+
     Example::
 
         >>> rs = CompressedReduceScatter(state, index=0)
         >>> out = rs.allocate((m,), dtype=torch.float32, device="cpu")
         >>> rs(out, flat_grad, group, dist.ReduceOp.SUM)   # out: this rank's summed shard
     """
+
+    def __init__(self, state, index: int, module=None):
+        super().__init__(state, index)
+        self.module = module
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -133,7 +152,29 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
                              f"{comm.world_size}; need input == world x output")
         divide = _op_divides(op)
         self._timed(comm, x, lambda c, x_, step, route: self._run(c, x_, out, step, route, divide))
-        return None  # synchronous: the output holds the result when FSDP continues
+        return None  # FSDP ignores a returned Work: a deferred result lands via finish_pending
+
+    def _factor(self, divide: bool, world: int) -> float | None:
+        """What the output is divided by here: FSDP's factor when it was handed over, else
+        the group size for an AVG op, else nothing."""
+        if self.module is not None:
+            return self.state.divide_factors[self.index]
+        return float(world) if divide else None
+
+    def _may_defer(self, step: int, out: torch.Tensor) -> bool:
+        """Whether nothing reads this call's output before backward ends (see the class)."""
+        st = self.state
+        if self.module is None or st.timeout is not None or torch._C._current_graph_task_id() == -1:
+            return False  # an explicit timeout: bounded before FSDP issues its next collective
+        if st.tuner is not None and self.index not in st.tuner.decision:
+            return False  # a timed call: its transfer belongs to its time
+        for g in self.module._get_fsdp_state()._fsdp_param_groups:
+            for fp in g.fsdp_params:
+                p = fp.sharded_param
+                if p.grad is not None or fp.offload_to_cpu or p.dtype != out.dtype or \
+                        getattr(p, "_post_accumulate_grad_hooks", None):
+                    return False
+        return True
 
     def _run(self, comm, x, out, step: int, route: str, divide: bool) -> None:
         st, idx, world = self.state, self.index, comm.world_size
@@ -156,7 +197,8 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         what = where(comm, f"FSDP {label} reduce-scatter", idx, x.numel(), x.dtype, step)
         flag_fut = None if flag is None else comm.all_reduce(flag.to(torch.float32).reshape(1))
         res = wait(comm.reduce_scatter(x), comm.timeout, what)
-        out.copy_(res.div(world) if divide else res)
+        factor = self._factor(divide, world)
+        out.copy_(res if factor is None else res.div(factor))
         if flag_fut is not None:
             flagged = (wait(flag_fut, comm.timeout, what) > 0).reshape(())
             out.masked_fill_(flagged, float("nan"))
@@ -177,18 +219,26 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         exact_own = not d.mask
         fut, own, layout, nb, stride = scatter_send(comm, comp, x, ctx, tail=flag.to(torch.uint8).view(1),
                                                     exact_own=exact_own)
-        recv = wait(fut, comm.timeout, what)
-        acc = decode_sum(comp, recv, layout, nb, stride, ctx, world, comm.rank,  # rank order
-                         exact=own[comm.rank * m:(comm.rank + 1) * m] if exact_own else None)
-        flagged = recv.view(world, stride)[:, nb].ne(0).any()  # same value on every rank
-        if divide:
-            acc.div_(world)
-        out.copy_(acc)
-        out.masked_fill_(flagged, float("nan"))
         # every value sent lands in its owner's sum (no second compression): the residual is
         # x - own, and "held" masking has nothing to mask
         settle_own_(st, idx, x, own[:n], d)
-        st.reset_flagged_(idx, flagged)
+        factor = self._factor(divide, world)
+
+        def finish() -> None:
+            recv = wait(fut, comm.timeout, what)
+            acc = decode_sum(comp, recv, layout, nb, stride, ctx, world, comm.rank,  # rank order
+                             exact=own[comm.rank * m:(comm.rank + 1) * m] if exact_own else None)
+            flagged = recv.view(world, stride)[:, nb].ne(0).any()  # same value on every rank
+            if factor is not None:
+                acc.div_(factor)
+            out.copy_(acc)
+            out.masked_fill_(flagged, float("nan"))
+            st.reset_flagged_(idx, flagged)
+
+        if self._may_defer(step, out):
+            st.defer(finish)
+        else:
+            finish()
 
 
 _NO_MOMENTUM = torch.zeros(0)

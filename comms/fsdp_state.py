@@ -124,6 +124,8 @@ class FSDPCompressionState(OptionsView):
         self._nonfinite: torch.Tensor | None = None
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
         self._comms: dict[int, TorchCommunicator] = {}
+        self._pending: list = []                 # deferred reduce-scatter finishes (defer())
+        self.deferred_calls = 0                  # reduce-scatters that overlapped backward
 
     # -- per call ------------------------------------------------------------------------
     def comm_for(self, group) -> TorchCommunicator:
@@ -184,6 +186,20 @@ class FSDPCompressionState(OptionsView):
                 self.error_feedback, self.modules[index], step, numel, str(dtype)) + tuple(
                     getattr(self, k) for k in OPTION_FIELDS)
 
+    def defer(self, finish) -> None:
+        """Run ``finish`` when the current backward ends (autograd's final callback), after
+        every call deferred before it: a reduce-scatter whose exchange overlaps backward."""
+        if not self._pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
+        self._pending.append(finish)
+        self.deferred_calls += 1
+
+    def finish_pending(self) -> None:
+        """Land every deferred reduce-scatter's result, in issue order (bounded waits). Runs by
+        itself when backward ends; call it before reading gradients inside backward."""
+        while self._pending:
+            self._pending.pop(0)()
+
     def count_nonfinite(self, flagged: torch.Tensor) -> None:
         f = flagged.reshape(()).to(torch.int64)
         self._nonfinite = f if self._nonfinite is None else self._nonfinite.add(f.to(self._nonfinite.device))
@@ -220,6 +236,7 @@ class FSDPCompressionState(OptionsView):
         for i, g in sorted(self.gather_stats.items()):
             rows.append(f"params {self.modules[i] or '<root>'}: {g.calls} all-gathers, "
                         f"{g.wire_bytes} of {g.dense_bytes} bytes sent, codec {g.codec_s * 1e3:.1f} ms")
+        rows.append(f"reduce-scatters overlapping backward: {self.deferred_calls}")
         rows.append(f"params={self.params}" + ("" if self.gather_tuner is None else
                                                f" ({str(self.gather_tuner).replace('auto: ', '')})"))
         return "\n".join(rows)
@@ -273,10 +290,12 @@ class FSDPCompressionState(OptionsView):
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("replicate_group", "_comms", "config_check", "replica_guard", "adam")}
+                if k not in ("replicate_group", "_comms", "config_check", "replica_guard", "adam",
+                             "_pending")}
 
     def __setstate__(self, st):
         self.__dict__.update(st)
         self.replicate_group, self._comms, self.replica_guard, self.adam = None, {}, None, None
+        self._pending = []
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
 

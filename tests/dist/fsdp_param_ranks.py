@@ -104,3 +104,15 @@ def bad_params(rank, world):
     groups = [g for _, m in comms.fsdp.fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
     return {"error": err, "gathers": [type(g._all_gather_comm).__name__ for g in groups],
             "scatters": [type(g._reduce_scatter_comm).__name__ for g in groups]}
+
+
+def overlap_vs_synchronous(rank, world, spec, n_steps):
+    """The same training with the reduce-scatter overlapping backward (the default) and
+    synchronous (an explicit timeout keeps every call synchronous): master shards and counts."""
+    out = {}
+    for name, kw in (("overlap", {}), ("sync", {"timeout": 600.0})):
+        model, state = _build(world, spec, params="int8", **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        steps(model, opt, rank, 0, n_steps)
+        out[name] = {"local": local_shards(model), "deferred": state.deferred_calls}
+    return out

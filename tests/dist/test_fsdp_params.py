@@ -55,3 +55,9 @@ def test_bad_params_value_changes_nothing():
         assert r["error"] is not None and "'int3'" in r["error"] and "params" in r["error"]
         assert set(r["gathers"]) == {"DefaultAllGather"}
         assert set(r["scatters"]) == {"DefaultReduceScatter"}
+
+
+def test_reduce_scatter_overlapping_backward_is_bitwise_the_synchronous_one():
+    for r in spawn(P.overlap_vs_synchronous, 2, "qsgd:bits=4", 6, timeout=300):
+        assert r["overlap"]["deferred"] == 6 * 3 and r["sync"]["deferred"] == 0  # 3 modules
+        assert torch.equal(r["overlap"]["local"], r["sync"]["local"])
