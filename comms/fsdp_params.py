@@ -110,14 +110,16 @@ class QuantizedAllGather(AllGather):
         route = self._route(comm) if x.is_floating_point() else "full"
         rec = st.gather_stats.setdefault(idx, GatherStats())
         k, rec.calls = rec.calls, rec.calls + 1
+        # a call auto times runs synchronously: its transfer belongs to its time
+        timed = st.gather_tuner is not None and idx not in st.gather_tuner.decision
         dense = (comm.world_size - 1) * x.numel() * x.element_size()
         rec.dense_bytes += dense
         if route == "full":
             rec.wire_bytes += dense
             t0 = time.perf_counter()
             work = _all_gather_single(output_tensor, input_tensor, group=group,
-                                      async_op=async_op or st.gather_tuner is not None)
-            if st.gather_tuner is not None:  # a timed call: the transfer is part of it
+                                      async_op=async_op or timed or x.device.type == "cpu")
+            if timed:
                 work.wait()
                 st.gather_tuner.record(idx, k, DENSE, time.perf_counter() - t0)
                 return None
@@ -130,7 +132,7 @@ class QuantizedAllGather(AllGather):
         try:
             fut = comm.all_gather(codec.encode(x))
             rec.codec_s += time.perf_counter() - t0
-            if st.gather_tuner is None and (async_op or x.device.type == "cpu"):
+            if not timed and (async_op or x.device.type == "cpu"):
                 return torch._C._distributed_c10d._create_work_from_future(
                     fut.then(lambda f: self._decode(codec, f.value(), out, comm.world_size)))
             recv = wait(fut, comm.timeout, what)
@@ -139,7 +141,7 @@ class QuantizedAllGather(AllGather):
             if clean_message(exc).startswith("commpress:"):
                 raise
             raise failure(what, exc) from None
-        if st.gather_tuner is not None:
+        if timed:
             st.gather_tuner.record(idx, k, "compressed", time.perf_counter() - t0)
         return None
 
