@@ -17,12 +17,26 @@ Two modes, chosen by whether a replicate group is given:
   ``set_all_reduce_hook`` with any flat algorithm (``allreduce``, ``allgather``,
   ``two_phase``) — "shard within a node, replicate across nodes".
 
-Averaging happens once, by FSDP: :func:`register` turns on
-``set_force_sum_reduction_for_comms(True)`` so every collective sums, and FSDP divides the
-output by its divide factor afterwards (the shard group's size; in HSDP mode
-``register`` sets ``set_gradient_divide_factor(shard x replicate)`` unless the module has
-its own). A ``ReduceOp.AVG`` that reaches the reduce-scatter anyway is honoured (divide by
-the group size after the rank-order sum); ``PREMUL_SUM`` is refused.
+The parameters (FSDP mode): FSDP2 moves them twice a step (the all-gathers before forward and
+before backward) against the gradient once, so by default they travel block-quantized too
+(``params``; :mod:`comms.fsdp_params`, ZeRO++'s qwZ): int8 codes with an fp32 scale per 256
+elements, every rank decoding the same bytes — its own shard included — so every rank computes
+with the same unsharded parameters; the fp32 shards the optimizer updates and a checkpoint
+saves are untouched. ``params="auto"`` (the default) times full and int8 per module; HSDP's
+all-gathers stay inside a host and the identity compressor stays bitwise plain FSDP2: full.
+
+The owner's own chunk of the reduce-scatter never leaves it, so it is added exactly (never
+encoded, no residual): the codec does ``(W - 1) / W`` of the whole gradient. Inside backward
+the compressed reduce-scatter returns once its exchange is issued and the decode lands when
+backward ends (an autograd final callback), so the exchange overlaps the rest of backward.
+
+Averaging happens once: :func:`register` turns on ``set_force_sum_reduction_for_comms(True)``
+so every collective sums; in FSDP mode the reduce-scatter divides by the module's divide
+factor itself (``register`` sets FSDP's to 1: FSDP's divide would read the output at once);
+in HSDP mode FSDP divides afterwards (``register`` sets ``set_gradient_divide_factor(shard x
+replicate)`` unless the module has its own). A ``ReduceOp.AVG`` that reaches a direct call
+anyway is honoured (divide by the group size after the rank-order sum); ``PREMUL_SUM`` is
+refused.
 
 Every option of :func:`comms.register` works here too (one
 :class:`~comms.options.PipelineOptions`; the stages of :mod:`comms.pipeline`): ``optimizer=``
@@ -53,7 +67,7 @@ Example::
     >>> for block in model.blocks:
     ...     fully_shard(block)
     >>> fully_shard(model)
-    >>> state = comms.fsdp.register(model, "topk:density=0.01")   # before the first step
+    >>> state = comms.fsdp.register(model, "qsgd:bits=4")   # before the first step
     >>> torch.save(state.state_dict(), f"comm.rank{rank}.pt")     # per rank
 """
 
