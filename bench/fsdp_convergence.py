@@ -298,7 +298,6 @@ def ttq_main(task, args, rank: int, world: int, mesh):
     cols = ["hook", "steps", "step_ms", "final_loss", "loss_ratio", "ttq_step", "ttq_s", "speedup", "vs_best_torch"]
     print(tables.format_table(rows, cols), flush=True)
     if args.out:
-        tables.write_csv(args.out + ".csv", rows, cols)
         png = _plot_ttq({k: dict(v, path="default" if k.startswith("default") else k) for k, v in runs.items()},
                         target, args.out, f"FSDP2 char transformer, {world} ranks, link {args.netsim_link}")
         md = [f"# FSDP2 time to quality: char transformer, {world} ranks, link {args.netsim_link}", "",
