@@ -20,7 +20,14 @@ the ``ddp-*`` rows run the DDP path on the same model, the quality the FSDP/HSDP
     python bench/fsdp_convergence.py -n 2 --mode fsdp --out bench/results/fsdp_convergence_fsdp2
     python bench/fsdp_convergence.py -n 4 --mode hsdp --batch 8 --out bench/results/fsdp_convergence_hsdp4
 
-Writes ``OUT.md``, ``OUT.csv`` (final losses), ``OUT_curves.csv`` and ``OUT_charlm.png``.
+Time to quality (``--netsim RATE``, root): a 3.3M-parameter char transformer (width 256, depth 4,
+AdamW) on the shaped link; dense FSDP2 trains ``--steps`` steps, every other row (every default,
+torch's policies beside) until dense's final loss or dense's wall time::
+
+    python bench/fsdp_convergence.py -n 2 --netsim 1gbit --out bench/results/fsdp_time_to_quality_1gbit
+
+Writes ``OUT.md``; with ``--plot`` also ``OUT.csv`` (final losses), ``OUT_curves.csv`` and the
+plot ``OUT_charlm.png`` (``OUT.png`` for time to quality).
 """
 
 from __future__ import annotations
@@ -298,8 +305,9 @@ def ttq_main(task, args, rank: int, world: int, mesh):
     cols = ["hook", "steps", "step_ms", "final_loss", "loss_ratio", "ttq_step", "ttq_s", "speedup", "vs_best_torch"]
     print(tables.format_table(rows, cols), flush=True)
     if args.out:
-        png = _plot_ttq({k: dict(v, path="default" if k.startswith("default") else k) for k, v in runs.items()},
-                        target, args.out, f"FSDP2 char transformer, {world} ranks, link {args.netsim_link}")
+        pngs = [_plot_ttq({k: dict(v, path="default" if k.startswith("default") else k) for k, v in runs.items()},
+                          target, args.out, f"FSDP2 char transformer, {world} ranks, link {args.netsim_link}")
+                ] if args.plot else []
         md = [f"# FSDP2 time to quality: char transformer, {world} ranks, link {args.netsim_link}", "",
               "```", args.command, "```", "",
               f"Machine: {machine.machine_facts()}. Load before: `{load_before}`; after: `{_uptime()}`.",
@@ -319,7 +327,7 @@ def ttq_main(task, args, rank: int, world: int, mesh):
               f"rank at once) {floor:.1f} ms; a dense FSDP2 step's bytes at the link rate "
               f"{raw_ms:.1f} ms (two fp32 parameter all-gathers and gloo's all-reduce-based "
               "reduce-scatter).", "", tables.format_table(rows, cols, markdown=True), "",
-              f"![{os.path.basename(png)}]({os.path.basename(png)})"]
+              *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs]]
         tables.write_text(args.out + ".md", "\n".join(md) + "\n")
     return rows
 
@@ -369,9 +377,11 @@ def _report(args, res, eq, secs, world, final):
 
 def _write(args, rows, curves, cols, world, final=True) -> None:
     out = args.out
-    tables.write_csv(out + ".csv", rows, cols)
-    tables.write_csv(out + "_curves.csv", curves, ["task", "hook", "step", "loss"])
-    pngs = _plot(curves, out)
+    pngs = []
+    if args.plot:
+        tables.write_csv(out + ".csv", rows, cols)
+        tables.write_csv(out + "_curves.csv", curves, ["task", "hook", "step", "loss"])
+        pngs = _plot(curves, out)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     what = ("FSDP2 (1-D mesh over all ranks; ours: compressed reduce-scatter)" if args.mode == "fsdp" else
             f"HSDP 2 x {world // 2} (dense: torch's native HSDP; ours: 1-D FSDP over the shard group + "
@@ -416,7 +426,8 @@ def main(argv=None):
     p.add_argument("--unused-every", type=int, default=0,
                    help="add a root parameter that gets no gradient one step in N (0: none)")
     p.add_argument("--hooks", default=None, help="comma-separated substrings of row names (dense always runs)")
-    p.add_argument("--out", default=None, help="write OUT.md, OUT.csv, OUT_curves.csv, OUT_charlm.png")
+    p.add_argument("--out", default=None, help="write OUT.md")
+    p.add_argument("--plot", action="store_true", help="also OUT.csv, OUT_curves.csv and the plot")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.command is None:
