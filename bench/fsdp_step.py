@@ -62,7 +62,7 @@ __all__ = ["TinyLM", "rank_main", "main"]
 DEFAULT_SPECS = ("qsgd:bits=4,sign,topk:density=0.01,fp16,"
                  "qsgd:bits=4@scatter_reduce#full,sign@scatter_reduce#int8,sign@scatter_reduce#int4,identity#int8")
 # HSDP run: ours on the replicate all-reduce
-DEFAULT_HSDP_SPECS = "fp16,qsgd:bits=4,sign,topk:density=0.01,qsgd:bits=4@allreduce,sign@allgather"
+DEFAULT_HSDP_SPECS = "fp16,qsgd:bits=4,sign,topk:density=0.01,qsgd:bits=8@two_phase,sign@allgather"
 # ... and on the flat 4-rank FSDP over every rank
 DEFAULT_FLAT_SPECS = "qsgd:bits=4,sign"
 VOCAB, SEQ = 128, 64

@@ -7,7 +7,7 @@ import os
 import platform
 import time
 
-__all__ = ["cpu_model", "usable_cores", "threads_for", "machine_facts"]
+__all__ = ["commit", "cpu_model", "usable_cores", "threads_for", "machine_facts"]
 
 
 def cpu_model() -> str:
@@ -34,8 +34,24 @@ def threads_for(ranks_on_host: int) -> int:
     return max(1, usable_cores() // max(1, ranks_on_host))
 
 
+def commit() -> str:
+    """The checkout's short commit, ``+changes`` when tracked files differ from it."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10, cwd=root).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "comms",
+                                "compressors", "csrc", "bench/*.py", "bench/harness"],
+                               capture_output=True, text=True, timeout=10, cwd=root).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+changes" if dirty else "")
+
+
 def machine_facts() -> str:
-    """One line: CPU model, cores, torch version, date, load average."""
+    """One line: CPU model, cores, torch version, commit, date, load average."""
     import torch
 
     load = "?"
@@ -43,5 +59,5 @@ def machine_facts() -> str:
         load = f"{os.getloadavg()[0]:.1f}"
     # the load average says how much other work shared the cores during the run
     return (f"{cpu_model()}, {threads_for(1)} cores, torch {torch.__version__}, Python "
-            f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"{platform.python_version()}, commit {commit()}, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"1-min load average at the end {load}")
