@@ -294,14 +294,16 @@ def ttq_main(task, args, rank: int, world: int, mesh):
     for name, run in runs.items():
         step, t = time_to_quality(run, target, args.tail)
         rows.append({"hook": name, "steps": run["steps"], "step_ms": 1e3 * run["wall_s"] / run["steps"],
-                     "final_loss": _final(run["curve"], args.tail),
-                     "loss_ratio": _final(run["curve"], args.tail) / target,
+                     "final_loss": f"{_final(run['curve'], args.tail):.4f}",
+                     "loss_ratio": f"{_final(run['curve'], args.tail) / target:.4f}",
                      "ttq_step": step if step is not None else "not reached",
                      "ttq_s": t if t is not None else "not reached",
                      "speedup": (time_to_quality(dense, target, args.tail)[1] / t) if t else None})
     best_torch = min((r["ttq_s"] for r in rows if r["hook"].startswith("torch") and r["speedup"]), default=None)
     for r in rows:
         r["vs_best_torch"] = best_torch / r["ttq_s"] if (best_torch and r["speedup"]) else None
+        for k in ("speedup", "vs_best_torch"):  # three decimals: the targets are ratios
+            r[k] = None if r[k] is None else f"{r[k]:.3f}"
     cols = ["hook", "steps", "step_ms", "final_loss", "loss_ratio", "ttq_step", "ttq_s", "speedup", "vs_best_torch"]
     print(tables.format_table(rows, cols), flush=True)
     if args.out:
@@ -362,7 +364,7 @@ def _report(args, res, eq, secs, world, final):
         fl = _final(curve, args.tail)
         tgt = TARGETS.get(name)
         ratio = fl / dense_final
-        rows.append({"hook": name, "final_loss": fl, "ratio": ratio, "target": tgt,
+        rows.append({"hook": name, "final_loss": f"{fl:.4f}", "ratio": f"{ratio:.4f}", "target": tgt,
                      "ok": None if tgt is None else ("yes" if ratio <= tgt else "NO"),
                      "replicas": None if eq[name] is None else ("equal" if eq[name] else "DIFFER"),
                      "train_s": secs[name]})
