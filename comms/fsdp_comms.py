@@ -10,10 +10,12 @@
   group, the module's output shard goes through the pipeline and a flat algorithm across the
   replicate group (``set_all_reduce_hook``).
 
-Both are synchronous (FSDP reads the output right after the call); every wait of theirs is
-bounded by the timeout (``comms.CollectiveTimeout`` names the module, step and rank). FSDP's
-own collectives (the parameter all-gathers; HSDP's reduce-scatter inside the shard group) are
-bounded by the process group's timeout only. Units: FSDP sums
+The HSDP hook is synchronous (FSDP reads its output right after the call); the FSDP
+reduce-scatter returns inside backward once its exchange is issued and lands its result when
+backward ends (see :class:`CompressedReduceScatter`). Every wait of theirs is bounded by the
+timeout (``comms.CollectiveTimeout`` names the module, step and rank). FSDP's own collectives
+(full-precision parameter all-gathers; HSDP's reduce-scatter inside the shard group) and a
+prefetched quantized all-gather's ``Work`` are bounded by the process group's timeout only. Units: FSDP sums
 and divides afterwards by the module's divide factor, so the pipeline runs on the summed
 units (``div`` 1) and the clip limit is scaled to them (``state.clip_limit``).
 """

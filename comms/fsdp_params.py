@@ -43,6 +43,8 @@ try:  # a private path of torch 2.11-2.13: ``import comms`` must not fail where 
 except ImportError:  # pragma: no cover - FSDP duck-types the comm
     AllGather = object
 
+# a Work whose wait() waits on a Future (private in torch 2.13; without it: synchronous calls)
+_work_from_future = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -112,18 +114,22 @@ class QuantizedAllGather(AllGather):
         k, rec.calls = rec.calls, rec.calls + 1
         # a call auto times runs synchronously: its transfer belongs to its time
         timed = st.gather_tuner is not None and idx not in st.gather_tuner.decision
+        # a Work FSDP waits on later (a prefetch overlaps compute); not under an explicit
+        # timeout, whose bound only a wait of ours keeps
+        deferred = not timed and st.timeout is None and (async_op or x.device.type == "cpu")
         dense = (comm.world_size - 1) * x.numel() * x.element_size()
         rec.dense_bytes += dense
         if route == "full":
             rec.wire_bytes += dense
             t0 = time.perf_counter()
-            work = _all_gather_single(output_tensor, input_tensor, group=group,
-                                      async_op=async_op or timed or x.device.type == "cpu")
+            work = _all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+            if deferred:
+                return work
+            wait(work.get_future(), comm.timeout, where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} "
+                                                        "parameter all-gather", idx, x.numel(), x.dtype, k))
             if timed:
-                work.wait()
                 st.gather_tuner.record(idx, k, DENSE, time.perf_counter() - t0)
-                return None
-            return work
+            return None
         codec = st.param_codecs[route]
         rec.wire_bytes += (comm.world_size - 1) * codec.payload_bytes(x.numel())
         what = where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} {route} parameter all-gather",
@@ -132,8 +138,8 @@ class QuantizedAllGather(AllGather):
         try:
             fut = comm.all_gather(codec.encode(x))
             rec.codec_s += time.perf_counter() - t0
-            if not timed and (async_op or x.device.type == "cpu"):
-                return torch._C._distributed_c10d._create_work_from_future(
+            if deferred and _work_from_future is not None:
+                return _work_from_future(
                     fut.then(lambda f: self._decode(codec, f.value(), out, comm.world_size)))
             recv = wait(fut, comm.timeout, what)
             self._decode(codec, recv, out, comm.world_size)
