@@ -112,36 +112,49 @@ def test_convergence_and_sweep_smoke(tmp_path):
     assert (tmp_path / "sw.csv").exists() and (tmp_path / "sw.md").exists()
 
 
+def _md_table(path: str) -> dict:
+    """A results file's table: row name -> {column: cell}."""
+    lines = [ln.strip().strip("|").split("|") for ln in open(path) if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0]]
+    return {cells[0].strip(): dict(zip(head, (c.strip() for c in cells))) for cells in lines[1:]}
+
+
 @pytest.mark.timeout(240)
 def test_fsdp_step_smoke(tmp_path):
-    # FSDP2 dense vs one compressed reduce-scatter on a tiny transformer, 2 gloo ranks
+    # FSDP2 dense, torch's bf16 policies and ours pinned (fp16 gradients, int8 parameters) on
+    # a tiny transformer, 2 gloo ranks
     out = _run(["bench/fsdp_step.py", "-n", "2", "--no-lock", "--width", "64", "--depth", "1",
-                "--steps", "2", "--warmup", "2", "--specs", "fp16", "--out", str(tmp_path / "fsdp")],
-               timeout=220)
-    rows = {r[0]: r for r in (ln.split() for ln in out.splitlines()) if r}
-    assert "fp16" in rows and "dense" in rows, out[-2000:]
-    assert rows["fp16"][4] == "2", out[-2000:]  # wire_ratio: fp16 halves the reduce-scatter bytes
-    assert os.path.exists(str(tmp_path / "fsdp") + ".md")
+                "--steps", "2", "--warmup", "2", "--specs", "fp16@scatter_reduce#int8",
+                "--out", str(tmp_path / "fsdp")], timeout=220)
+    rows = _md_table(str(tmp_path / "fsdp") + ".md")
+    ours, dense = rows["fp16 [algorithm=scatter_reduce, params=int8]"], rows["dense FSDP2"]
+    assert "torch bf16 params+grads" in rows and "local (no comm) floor" in rows, out[-2000:]
+    grad = int(ours["wire_bytes"]) - int(ours["param_bytes"])
+    dense_grad = int(dense["wire_bytes"]) - int(dense["param_bytes"])
+    # fp16 halves the reduce-scatter (+ a flag byte per module); int8 codes + a scale per 256
+    assert dense_grad // 2 <= grad <= dense_grad // 2 + 8, (grad, dense_grad)
+    assert int(ours["param_bytes"]) < 0.3 * int(dense["param_bytes"]), (ours, dense)
+    assert float(ours["codec_ms"]) > 0
 
 
 @pytest.mark.timeout(400)
 def test_fsdp_step_hsdp_smoke(tmp_path):
-    # 4 ranks as 2 "hosts" x 2 (unshaped): flat FSDP2, torch's native HSDP (dense and
-    # reduce_dtype=bf16) and our compressed replicate all-reduce, with the codec column
+    # 4 ranks as 2 "hosts" x 2 (unshaped): flat FSDP2, torch's native HSDP (dense and its bf16
+    # policies) and our compressed replicate all-reduce, with the codec column
     out = _run(["bench/fsdp_step.py", "-n", "4", "--per-host", "2", "--no-lock", "--width", "64",
-                "--depth", "1", "--steps", "1", "--warmup", "1", "--flat-specs", "fp16",
-                "--hsdp-specs", "fp16", "--out", str(tmp_path / "hsdp")], timeout=380)
-    rows = {ln.split("  ")[0].strip(): ln.split() for ln in out.splitlines() if ln.strip()}
-    for name in ("flat FSDP2 4 ranks dense", "flat FSDP2 ours fp16", "HSDP dense (torch native)",
-                 "HSDP torch reduce_dtype=bf16", "HSDP ours fp16", "HSDP dense (again)"):
+                "--depth", "1", "--steps", "1", "--warmup", "1", "--flat-specs", "fp16@scatter_reduce",
+                "--hsdp-specs", "fp16@allreduce", "--out", str(tmp_path / "hsdp")], timeout=380)
+    rows = _md_table(str(tmp_path / "hsdp") + ".md")
+    for name in ("flat FSDP2 4 ranks dense", "flat FSDP2 ours fp16 [algorithm=scatter_reduce]",
+                 "HSDP dense (torch native)", "HSDP torch bf16 grads", "HSDP torch bf16 params+grads",
+                 "HSDP ours fp16 [algorithm=allreduce]", "HSDP dense (again)"):
         assert name in rows, (name, out[-3000:])
-    ours = rows["HSDP ours fp16"]
-    # config (3 words), step_ms, speedup, link_bytes, raw_ms, codec_ms, ...: fp16 halves the
-    # replicate all-reduce's bytes (+ a 4-byte flag per FSDP module: the layer and the root);
-    # no link rate unshaped: raw_ms is "-"
-    dense_link = int(rows["HSDP dense (torch native)"][6])
-    assert int(ours[5]) == dense_link // 2 + 2 * 4 and ours[6] == "-" and float(ours[7]) > 0, out[-3000:]
-    assert os.path.exists(str(tmp_path / "hsdp") + ".md")
+    ours = rows["HSDP ours fp16 [algorithm=allreduce]"]
+    # fp16 halves the replicate all-reduce's bytes (+ a 4-byte flag per FSDP module: the layer
+    # and the root); no link rate unshaped: raw_ms is "-"
+    dense_link = int(rows["HSDP dense (torch native)"]["link_bytes"])
+    assert int(ours["link_bytes"]) == dense_link // 2 + 2 * 4 and ours["raw_ms"] == "-", out[-3000:]
+    assert float(ours["codec_ms"]) > 0
 
 
 @pytest.mark.dist
@@ -319,3 +332,20 @@ def test_adam_quality_smoke(tmp_path):
     assert all(r["replicas"] == "True" and r["finite"] == "True" for r in recs)
     md = (tmp_path / "aq.md").read_text()
     assert "--seeds 0,1" in md and "| seed0 | seed1 |" in md
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_convergence_smoke(tmp_path):
+    # equal steps (pinned rows: int8 parameters alone, qsgd4 gradients + int8) and the
+    # time-to-quality mode's code path (unshaped: its hidden link flag), a tiny transformer
+    out = _run(["bench/fsdp_convergence.py", "-n", "2", "--no-lock", "--steps", "10", "--eval-every", "5",
+                "--tail", "2", "--hooks", "int8-params,qsgd4+int8", "--out", str(tmp_path / "eq")], timeout=140)
+    rows = _md_table(str(tmp_path / "eq") + ".md")
+    assert set(rows) == {"dense", "int8-params", "qsgd4+int8"}, out[-2000:]
+    assert 0.8 < float(rows["int8-params"]["ratio"]) < 1.2
+    out = _run(["bench/fsdp_convergence.py", "-n", "2", "--no-lock", "--netsim-link", "1gbit", "--steps", "10",
+                "--eval-every", "5", "--tail", "2", "--width", "32", "--depth", "1",
+                "--hooks", "default(qsgd4),torch-mp-bf16-params", "--out", str(tmp_path / "ttq")], timeout=140)
+    rows = _md_table(str(tmp_path / "ttq") + ".md")
+    assert set(rows) == {"dense", "torch-mp-bf16-params", "default(qsgd4)"}, out[-2000:]
+    assert rows["dense"]["speedup"] == "1.000" and int(rows["default(qsgd4)"]["steps"]) >= 5

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import comms
 from dist.fsdp_ranks import (local_shards, make_model, pinned, set_local_shards_, shard_model, steps,
                              teacher_data)
+from dist.ranks import batch
 
 
 def _build(world, spec, seed=0, **kw):
@@ -106,13 +107,42 @@ def bad_params(rank, world):
             "scatters": [type(g._reduce_scatter_comm).__name__ for g in groups]}
 
 
-def overlap_vs_synchronous(rank, world, spec, n_steps):
+def overlap_vs_synchronous(rank, world, spec, n_steps, accumulate=1):
     """The same training with the reduce-scatter overlapping backward (the default) and
-    synchronous (an explicit timeout keeps every call synchronous): master shards and counts."""
+    synchronous (an explicit timeout keeps every call synchronous): master shards and counts.
+    ``accumulate`` backward passes per step (the later ones add into existing gradients)."""
     out = {}
     for name, kw in (("overlap", {}), ("sync", {"timeout": 600.0})):
         model, state = _build(world, spec, params="int8", **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        steps(model, opt, rank, 0, n_steps)
+        for step in range(n_steps):
+            opt.zero_grad()
+            for micro in range(accumulate):
+                x, y = batch(rank, step * accumulate + micro)
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
         out[name] = {"local": local_shards(model), "deferred": state.deferred_calls}
     return out
+
+
+def bf16_parameters(rank, world, n_steps):
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16) with int8 parameter all-gathers: the
+    bf16 parameters every rank computes with, and the losses."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = make_model()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    state = comms.fsdp.register(model, "sign", algorithm="scatter_reduce", params="int8")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    steps(model, opt, rank, 0, n_steps, losses)
+    used = gathered_in_forward(model, torch.randn(4, 32, generator=torch.Generator().manual_seed(5)).bfloat16())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, [t.reshape(-1) for t in used])
+    return {"used": everyone, "losses": losses, "calls": sum(g.calls for g in state.gather_stats.values())}

@@ -61,3 +61,21 @@ def test_reduce_scatter_overlapping_backward_is_bitwise_the_synchronous_one():
     for r in spawn(P.overlap_vs_synchronous, 2, "qsgd:bits=4", 6, timeout=300):
         assert r["overlap"]["deferred"] == 6 * 3 and r["sync"]["deferred"] == 0  # 3 modules
         assert torch.equal(r["overlap"]["local"], r["sync"]["local"])
+
+
+def test_accumulating_into_existing_gradients_stays_synchronous_and_exact():
+    # the second backward of a step adds into the first one's gradients: FSDP reads the
+    # output at once, so only the first backward's reduce-scatters may overlap
+    for r in spawn(P.overlap_vs_synchronous, 2, "qsgd:bits=4", 4, 2, timeout=300):
+        assert r["overlap"]["deferred"] == 4 * 3
+        assert torch.equal(r["overlap"]["local"], r["sync"]["local"])
+
+
+def test_bf16_parameters_gather_int8_codes_into_bf16():
+    res = spawn(P.bf16_parameters, 2, 20, timeout=300)
+    for r in res:
+        used = r["used"]
+        assert all(t.dtype == torch.bfloat16 for t in used[0])
+        assert all(torch.equal(a, b) for a, b in zip(used[0], used[1]))
+        assert all(v == v for v in r["losses"]) and sum(r["losses"][-5:]) < sum(r["losses"][:5])
+        assert r["calls"] > 0
