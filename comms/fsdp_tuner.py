@@ -37,7 +37,8 @@ class ModuleTuner:
 
     Args:
         trials: counted calls of each route before deciding (>= 1).
-        prefer_dense: the compressed route must be faster by more than this fraction.
+        prefer_dense: the compressed route must be faster by more than this fraction (a
+            negative value: it is kept unless slower by more than ``-prefer_dense``).
 
     Example::
 
