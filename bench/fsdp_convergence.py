@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -48,8 +47,8 @@ import torch.distributed as dist  # noqa: E402
 
 import comms  # noqa: E402
 import compressors  # noqa: E402
-from convergence import (CharLM12MTask, CharLMTask, _final, _plot, _plot_ttq, smoothed,  # noqa: E402
-                         time_to_quality)
+from convergence import (CharLM12MTask, CharLMTask, _final, _plot, _plot_ttq, _uptime, smoothed,  # noqa: E402
+                         task_floor, time_to_quality)
 
 __all__ = ["CONFIGS", "shard_charlm", "train", "main"]
 
@@ -281,7 +280,8 @@ def ttq_main(task, args, rank: int, world: int, mesh):
         if rank == 0:
             print(f"# {cfg[0]}: {curve[-1][0]} steps, {secs:.1f} s, final {_final(curve, args.tail):.4f}",
                   flush=True)
-    floor = _floor_ms(task, args, rank, world)
+    # bench/convergence.py's floor: the unsharded model, no communication, every rank at once
+    floor = task_floor(task, argparse.Namespace(floor_steps=10), rank, world)["step_ms"]
     if rank != 0:
         return None
     dense = runs["dense"]
@@ -334,27 +334,6 @@ def ttq_main(task, args, rank: int, world: int, mesh):
     return rows
 
 
-def _floor_ms(task, args, rank: int, world: int) -> float:
-    """The median step of the unsharded model with no communication, every rank at once."""
-    model = task.model()
-    opt = task.optimizer(model.parameters())
-    times = []
-    for step in range(13):
-        x, y = task.batch_at(step, rank, world)
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        task.loss(model(x), y).backward()
-        opt.step()
-        if step >= 3:
-            times.append(_slowest(time.perf_counter() - t0))
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def _report(args, res, eq, secs, world, final):
     """Rows of the configurations done so far; written after each one (a run cut short keeps
     what it finished), printed at the end."""
@@ -384,7 +363,7 @@ def _write(args, rows, curves, cols, world, final=True) -> None:
         tables.write_csv(out + ".csv", rows, cols)
         tables.write_csv(out + "_curves.csv", curves, ["task", "hook", "step", "loss"])
         pngs = _plot(curves, out)
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load = _uptime()
     what = ("FSDP2 (1-D mesh over all ranks; ours: compressed reduce-scatter)" if args.mode == "fsdp" else
             f"HSDP 2 x {world // 2} (dense: torch's native HSDP; ours: 1-D FSDP over the shard group + "
             "compressed all-reduce across the replicate group)")

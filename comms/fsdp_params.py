@@ -96,11 +96,12 @@ class QuantizedAllGather(AllGather):
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _route(self, comm) -> str:
+    def _route(self, comm, k: int) -> str:
+        """``"full"``, ``"int8"`` or ``"int4"`` for this module's call ``k``."""
         st, idx = self.state, self.index
         if st.params != "tuned":
             return st.params
-        tuner, k = st.gather_tuner, st.gather_stats.setdefault(idx, GatherStats()).calls
+        tuner = st.gather_tuner
         if tuner.due(idx, k):
             tuner.decide(idx, comm, f"{st.modules[idx] or '<root>'} parameter all-gather")
         return "int8" if tuner.route(idx, k) != DENSE else "full"
@@ -109,9 +110,10 @@ class QuantizedAllGather(AllGather):
         st, idx = self.state, self.index
         comm = st.comm_for(group)
         x, out = input_tensor.view(-1), output_tensor.view(-1)
-        route = self._route(comm) if x.is_floating_point() else "full"
         rec = st.gather_stats.setdefault(idx, GatherStats())
         k, rec.calls = rec.calls, rec.calls + 1
+        route = self._route(comm, k) if x.is_floating_point() else "full"
+        codec = st.param_codecs.get(route)  # None: full precision, FSDP's own bytes
         # a call auto times runs synchronously: its transfer belongs to its time
         timed = st.gather_tuner is not None and idx not in st.gather_tuner.decision
         # a Work FSDP waits on later (a prefetch overlaps compute); not under an explicit
@@ -119,36 +121,29 @@ class QuantizedAllGather(AllGather):
         deferred = not timed and st.timeout is None and (async_op or x.device.type == "cpu")
         dense = (comm.world_size - 1) * x.numel() * x.element_size()
         rec.dense_bytes += dense
-        if route == "full":
-            rec.wire_bytes += dense
-            t0 = time.perf_counter()
-            work = _all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
-            if deferred:
-                return work
-            wait(work.get_future(), comm.timeout, where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} "
-                                                        "parameter all-gather", idx, x.numel(), x.dtype, k))
-            if timed:
-                st.gather_tuner.record(idx, k, DENSE, time.perf_counter() - t0)
-            return None
-        codec = st.param_codecs[route]
-        rec.wire_bytes += (comm.world_size - 1) * codec.payload_bytes(x.numel())
+        rec.wire_bytes += dense if codec is None else (comm.world_size - 1) * codec.payload_bytes(x.numel())
         what = where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} {route} parameter all-gather",
-                     idx, x.numel(), x.dtype, rec.calls - 1)
+                     idx, x.numel(), x.dtype, k)
         t0 = time.perf_counter()
         try:
-            fut = comm.all_gather(codec.encode(x))
-            rec.codec_s += time.perf_counter() - t0
-            if deferred and _work_from_future is not None:
-                return _work_from_future(
-                    fut.then(lambda f: self._decode(codec, f.value(), out, comm.world_size)))
-            recv = wait(fut, comm.timeout, what)
-            self._decode(codec, recv, out, comm.world_size)
+            if codec is None:
+                work = _all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+                if deferred:
+                    return work
+                wait(work.get_future(), comm.timeout, what)
+            else:
+                fut = comm.all_gather(codec.encode(x))
+                rec.codec_s += time.perf_counter() - t0
+                if deferred and _work_from_future is not None:
+                    return _work_from_future(
+                        fut.then(lambda f: self._decode(codec, f.value(), out, comm.world_size)))
+                self._decode(codec, wait(fut, comm.timeout, what), out, comm.world_size)
         except (RuntimeError, ValueError) as exc:
             if clean_message(exc).startswith("commpress:"):
                 raise
             raise failure(what, exc) from None
         if timed:
-            st.gather_tuner.record(idx, k, "compressed", time.perf_counter() - t0)
+            st.gather_tuner.record(idx, k, DENSE if codec is None else "compressed", time.perf_counter() - t0)
         return None
 
     def _decode(self, codec: BlockQuantizer, recv: torch.Tensor, out: torch.Tensor, world: int) -> None:

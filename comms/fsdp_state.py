@@ -199,8 +199,11 @@ class FSDPCompressionState(OptionsView):
     def finish_pending(self) -> None:
         """Land every deferred reduce-scatter's result, in issue order (bounded waits). Runs by
         itself when backward ends; call it before reading gradients inside backward."""
-        while self._pending:
-            self._pending.pop(0)()
+        # taken out first: if one raises, the next backward starts with an empty list (and
+        # queues its own callback) instead of finishing a broken step's calls
+        pending, self._pending = self._pending, []
+        for finish in pending:
+            finish()
 
     def count_nonfinite(self, flagged: torch.Tensor) -> None:
         f = flagged.reshape(()).to(torch.int64)

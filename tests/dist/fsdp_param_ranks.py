@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import comms
-from dist.fsdp_ranks import (local_shards, make_model, pinned, set_local_shards_, shard_model, steps,
-                             teacher_data)
+from dist.fsdp_ranks import local_shards, make_model, pinned, shard_model, steps, teacher_data
 from dist.ranks import batch
 
 
-def _build(world, spec, seed=0, **kw):
+def _build(world, spec, **kw):
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = shard_model(make_model(seed), mesh)
+    model = shard_model(make_model(), mesh)
     state = None if spec is None else comms.fsdp.register(model, spec, **pinned(spec, **kw))
     return model, state
 
@@ -51,27 +48,6 @@ def int8_after_steps(rank, world, spec, n_steps, params="int8"):
     master = [p.full_tensor().detach().reshape(-1) for p in model.parameters()]
     return {"used": everyone, "master": master, "losses": losses, "report": state.report(),
             "wire": {i: (g.wire_bytes, g.dense_bytes, g.calls) for i, g in state.gather_stats.items()}}
-
-
-def resume_int8(rank, world, spec, ckpt_dir, params="int8"):
-    """10 steps straight vs 5 + checkpoint (master shards + commpress state) + fresh model + 5."""
-    model, state = _build(world, spec, params=params)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps(model, opt, rank, 0, 10)
-    straight = local_shards(model)
-    model, state = _build(world, spec, params=params)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps(model, opt, rank, 0, 5)
-    path = os.path.join(ckpt_dir, f"fsdp_params.rank{rank}.pt")
-    torch.save({"shards": local_shards(model), "comm": state.state_dict()}, path)
-    del model, state, opt
-    ck = torch.load(path, weights_only=True)
-    model, state = _build(world, spec, seed=7, params=params)
-    state.load_state_dict(ck["comm"])
-    set_local_shards_(model, ck["shards"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps(model, opt, rank, 5, 10)
-    return {"straight": straight, "resumed": local_shards(model), "params": ck["comm"]["params"]}
 
 
 def teacher_losses(rank, world, spec, n_steps, params="full"):

@@ -146,7 +146,8 @@ def resume_run(rank, world, spec, ckpt_dir, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     steps(model, opt, rank, 5, 10)
     return {"straight": straight["local"], "resumed": local_shards(model),
-            "residual_modules": sorted(ck["comm"]["memory"]["residuals"]), "steps": ck["comm"]["steps"]}
+            "residual_modules": sorted(ck["comm"]["memory"]["residuals"]), "steps": ck["comm"]["steps"],
+            "params": ck["comm"]["params"]}
 
 
 def direct_calls(rank, world):

@@ -2,12 +2,15 @@
 unsharded parameters (bitwise, after 200 steps), close to the fp32 masters by the codec's
 bound; resume is bitwise; quality at equal steps within a bound of plain FSDP2."""
 
+import functools
+
 import pytest
 import torch
 
 from comms.launch import spawn
 from compressors.blockquant import BlockQuantizer
 from dist import fsdp_param_ranks as P
+from dist import fsdp_ranks as F
 
 pytestmark = [pytest.mark.dist]
 
@@ -37,7 +40,7 @@ def test_every_rank_computes_with_the_same_parameters_after_200_steps(world, par
 
 
 def test_resume_with_quantized_parameters_is_bitwise(tmp_path):
-    res = spawn(P.resume_int8, 2, "topk:density=0.1", str(tmp_path), timeout=600)
+    res = spawn(functools.partial(F.resume_run, params="int8"), 2, "topk:density=0.1", str(tmp_path), timeout=600)
     for r in res:
         assert r["params"] == "int8"
         assert torch.equal(r["straight"], r["resumed"])
