@@ -18,6 +18,8 @@ from .algorithms import DENSE, get_algorithm
 from .checkpoint import hash64, plain, to_device
 from .communicator import TorchCommunicator
 from .config_check import ConfigCheck
+from .deadline import HEARTBEAT
+from .errors import where
 from .fsdp_params import GatherStats, resolve_params
 from .fsdp_tuner import ModuleTuner
 from .local_memory import LocalMemory
@@ -134,9 +136,16 @@ class FSDPCompressionState(OptionsView):
         c = self._comms.get(id(group))
         if c is None:
             c = self._comms[id(group)] = TorchCommunicator(group)
+            if c.world_size > 1 and c.backend in ("gloo", "nccl"):
+                HEARTBEAT.start()  # once per process: names a dead or silent peer in errors
         if self.timeout is not None:
             c.timeout = self.timeout  # the user's bound wins over the group's
         return c
+
+    def where(self, comm, what: str, index: int, numel: int, dtype, step: int) -> str:
+        """The name of one module call in errors: collective, module, step, rank."""
+        return where(comm, what, index, numel, dtype, step,
+                     unit=f"module {self.modules[index] or '<root>'!r}" if index < len(self.modules) else None)
 
     def flat_algorithm(self) -> str | None:
         """The compressed algorithm (HSDP: a flat algorithm; FSDP: ``None``, the scatter-reduce)."""
