@@ -164,9 +164,12 @@ def _equip(state: FSDPCompressionState, mods) -> None:
         g = m._get_fsdp_state()._fsdp_param_groups[0]
         m.set_force_sum_reduction_for_comms(True)
         # a parameter without a gradient stays in the reduce-scatter as zeros: the layout, and
-        # so the residual and velocity of the module, survive steps that leave it unused (its
-        # gradient is dropped again after backward: comms.fsdp_unused)
-        m.set_reduce_scatter_unused_params(True, recurse=False)
+        # so the residual and velocity of the module, survive steps that leave it unused; its
+        # gradient is dropped again after backward, as plain FSDP2 leaves it (comms.fsdp_unused)
+        # — unless the user asked FSDP2 for those zeros
+        if not g.reduce_scatter_unused_params:
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+            state.unused.track(state, i, g)
         if type(g._all_gather_comm) is DefaultAllGather:
             m.set_custom_all_gather(QuantizedAllGather(state, i))
         if state.mode == "fsdp":

@@ -155,7 +155,11 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
                              f"input {x.numel()} elements, output {out.numel()}, world "
                              f"{comm.world_size}; need input == world x output")
         divide = _op_divides(op)
+        shield = st.unused.shield(st.memory, self.index, out.numel(), comm.world_size)
         self._timed(comm, x, lambda c, x_, step, route: self._run(c, x_, out, step, route, divide))
+        if shield is not None:  # parameters without a gradient: memory kept, result zero
+            shield.restore_memory()
+            shield.zero_(out)  # read now when FSDP accumulates (then the call is synchronous)
         return None  # FSDP ignores a returned Work: a deferred result lands via finish_pending
 
     def _factor(self, divide: bool, world: int) -> float | None:
@@ -279,12 +283,16 @@ class ReplicateAllReduce(_ModuleStep):
         st = self.state
         comm = st.comm_for(st.replicate_group)
         x = reduce_output.view(-1)
+        shield = st.unused.shield(st.memory, self.index, x.numel(), 1)
         if comm.world_size == 1:  # nothing to exchange; the local steps still apply
             if st.local_transform:
                 local_flagged(st, self.index, x, 1, st.clip_limit(self.index, 1))
             st.steps[self.index] = st.steps.get(self.index, 0) + 1
-            return
-        self._timed(comm, x, self._run)
+        else:
+            self._timed(comm, x, self._run)
+        if shield is not None:  # parameters without a gradient: memory kept, result zero
+            shield.restore_memory()
+            shield.zero_(x)
 
     def _run(self, comm, x, step: int, route: str) -> None:
         st, idx, world = self.state, self.index, comm.world_size

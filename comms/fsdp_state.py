@@ -22,6 +22,7 @@ from .deadline import HEARTBEAT
 from .errors import where
 from .fsdp_params import GatherStats, resolve_params
 from .fsdp_tuner import ModuleTuner
+from .fsdp_unused import UnusedParams
 from .local_memory import LocalMemory
 from .options import OPTION_FIELDS, OptionsView, PipelineOptions
 from .stats import stats_rows
@@ -128,7 +129,8 @@ class FSDPCompressionState(OptionsView):
         self._nonfinite: torch.Tensor | None = None
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
         self._comms: dict[int, TorchCommunicator] = {}
-        self._pending: list = []                 # deferred reduce-scatter finishes (defer())
+        self._pending: list = []                 # run when backward ends (defer(), at_backward_end())
+        self.unused = UnusedParams()             # parameters without a gradient this backward
         self.deferred_calls = 0                  # reduce-scatters that overlapped backward
 
     # -- per call ------------------------------------------------------------------------
@@ -200,10 +202,15 @@ class FSDPCompressionState(OptionsView):
     def defer(self, finish) -> None:
         """Run ``finish`` when the current backward ends (autograd's final callback), after
         every call deferred before it: a reduce-scatter whose exchange overlaps backward."""
+        self.at_backward_end(finish)
+        self.deferred_calls += 1
+
+    def at_backward_end(self, fn) -> None:
+        """Run ``fn`` when the current backward ends, after FSDP's own final callback (queued
+        when backward started) and after what was queued here before it."""
         if not self._pending:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
-        self._pending.append(finish)
-        self.deferred_calls += 1
+        self._pending.append(fn)
 
     def finish_pending(self) -> None:
         """Land every deferred reduce-scatter's result, in issue order (bounded waits). Runs by
@@ -305,11 +312,11 @@ class FSDPCompressionState(OptionsView):
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items()
                 if k not in ("replicate_group", "_comms", "config_check", "replica_guard", "adam",
-                             "_pending")}
+                             "_pending", "unused")}
 
     def __setstate__(self, st):
         self.__dict__.update(st)
         self.replicate_group, self._comms, self.replica_guard, self.adam = None, {}, None, None
-        self._pending = []
+        self._pending, self.unused = [], UnusedParams()
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
 
