@@ -82,7 +82,7 @@ from torch.distributed.fsdp import FSDPModule
 from .fsdp_comms import CompressedReduceScatter, ReplicateAllReduce, ShardReduceScatter
 from .fsdp_params import PARAM_MODES, QuantizedAllGather
 from .fsdp_state import FSDP_CONFIG_FIELDS, FSDPCompressionState
-from .register import adam_pairing, give_back_momentum, pair_optimizer, replica_guard
+from .register import ADAM_FREEZE_DEFAULT, adam_pairing, check_pairing, give_back_momentum, pair_optimizer, replica_guard
 
 __all__ = ["register", "FSDPCompressionState", "CompressedReduceScatter", "ReplicateAllReduce",
            "QuantizedAllGather", "PARAM_MODES", "FSDP_CONFIG_FIELDS", "fsdp_modules"]
@@ -185,7 +185,8 @@ def _equip(state: FSDPCompressionState, mods) -> None:
 
 
 def register(model: torch.nn.Module, compressor, *, replicate_group=None, algorithm: str | None = None,
-             params: str | None = None, optimizer=None, check_replicas_every: int | None = None, adam_freeze="auto",
+             params: str | None = None, optimizer=None, check_replicas_every: int | None = None,
+             adam_freeze=ADAM_FREEZE_DEFAULT,
              **options) -> FSDPCompressionState:
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
@@ -238,7 +239,9 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
                                  params=params, **options)  # every option validated first
     mods, factors = _checked_modules(model, probe, replicate_group)
     state, taken = pair_optimizer(optimizer, lambda **kw: FSDPCompressionState(
-        compressor, replicate_group=replicate_group, algorithm=algorithm, params=params, **kw), options)
+        compressor, replicate_group=replicate_group, algorithm=algorithm, params=params, **kw), options,
+        check=lambda probe: check_pairing(probe, optimizer, adam_freeze, model.named_parameters(),
+                                          sparsifiers_only=True))
     _attach(state, mods, factors, guard, optimizer, adam_freeze)
     try:
         _equip(state, mods)

@@ -61,7 +61,11 @@ def _check_algorithm(c: Compressor, mode: str, algorithm):
     if flat not in HSDP_ALGORITHMS:
         raise ValueError(f"HSDP replicate all-reduce algorithm must be 'auto' or one of "
                          f"{HSDP_ALGORITHMS}, got {algorithm!r} (for {c.spec()!r})")
-    if c.name == "powersgd" or not get_algorithm(flat).supports(c):
+    if c.name == "powersgd":
+        raise ValueError(f"compressor {c.spec()!r} cannot compress an HSDP shard: PowerSGD factors "
+                         "whole matrices, and a shard is a flat slice across a module's parameters; "
+                         "use qsgd, sign, topk, randomk, fp16 or bf16 on HSDP (PowerSGD serves DDP)")
+    if flat is None or not get_algorithm(flat).supports(c):
         raise ValueError(f"compressor {c.spec()!r} cannot travel with {flat!r} on a flat "
                          f"FSDP shard (it supports {list(c.families)})")
     return flat if algorithm not in (None, "auto") else "auto"
