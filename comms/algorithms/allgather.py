@@ -13,8 +13,7 @@ import torch
 
 from compressors.deferred import Deferred
 
-from ..deadline import advice
-from ..errors import where
+from ..transport.errors import advice, where
 from . import buffers
 from .base import Algorithm, decode_own, hand_over, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes

@@ -64,7 +64,7 @@ def _power_iteration(comm, compressor, x, ctx, store, deferred=False):
     if rnd is None:  # nothing worth factorizing: dense, own == x so the residual is zero
         wire = buffers.empty(x.numel(), x.dtype, x.device).copy_(x.detach().reshape(-1))
         return comm.all_reduce(wire).then(lambda f: (f.value(), x))
-    # intermediate round: waited here, in program order (bounded: comms.deadline)
+    # intermediate round: waited here, in program order (bounded: comms.transport.deadline)
     round_wait(comm, comm.all_reduce(rnd.p), ctx, "PowerSGD P allreduce round")
     q = compressor.second_round(rnd)
     q_own = compressor.q_factors(rnd, q).clone()  # the allreduce sums q in place

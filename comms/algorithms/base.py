@@ -19,7 +19,7 @@ Contract of a subclass:
 * ``wire_ops(model, compressor, numel, dtype, tier)``: the collectives one bucket issues on
   ``tier`` as ``[(tier, op, wire dtype name, payload bytes)]`` (what the cost model probes);
 * ``cost(model, compressor, numel, dtype, tier)``: predicted seconds on ``tier`` of a
-  :class:`comms.cost_model.CostModel` (alpha-beta per collective plus measured codec time);
+  :class:`comms.tuning.cost_model.CostModel` (alpha-beta per collective plus measured codec time);
 * ``flush_residual_(x, store, comm, numel=None)``: on a switch away from this algorithm, add
   any residual it keeps in ``store`` into ``x`` where the next aggregation counts it exactly
   once; returns whether it added one (default: keeps none);
@@ -42,8 +42,8 @@ import math
 
 import torch
 
-from ..deadline import wait
-from ..errors import where
+from ..transport.waits import wait
+from ..transport.errors import where
 from . import buffers
 
 __all__ = ["Algorithm", "DENSE", "round_wait", "decode_own", "hand_over"]

@@ -17,12 +17,12 @@ reduce-scatter adds ``e`` back into ``S_node[i]``. Summed over all ranks, ``own`
 aggregate and the residuals equal the total compression error (up to rounding: ``x - (x - e)``
 is ``e`` to within an ulp of ``x``).
 
-The communicator must be a :class:`comms.topology.TieredCommunicator` (``.intra`` and
+The communicator must be a :class:`comms.cluster.topology.TieredCommunicator` (``.intra`` and
 ``.inter``); the auto planner supplies one.
 
 Example::
 
-    >>> topo = comms.topology.Topology.discover()
+    >>> topo = comms.cluster.topology.Topology.discover()
     >>> comm = topo.communicator()
     >>> total, own = ALGORITHMS["hier_allreduce"](comm, compressors.from_spec("fp16"), x, ctx, {}).wait()
 """

@@ -49,8 +49,7 @@ import torch
 
 from compressors.deferred import Deferred
 
-from . import cuda_kernels as cuda_dispatch
-from . import buffers
+from . import cuda_kernels as cuda_dispatch, buffers
 from .base import Algorithm, hand_over, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes

@@ -19,7 +19,7 @@ def pinned(spec, replicated: bool = False, **kw) -> dict:
     """``kw`` with an algorithm that compresses every call (on loopback ``auto`` rightly
     times dense as faster): FSDP's scatter-reduce, or the compressor's first flat HSDP
     algorithm; the parameter all-gather stays full precision unless ``kw`` says otherwise."""
-    from comms.fsdp_state import HSDP_ALGORITHMS, SCATTER_REDUCE
+    from comms.fsdp.state import HSDP_ALGORITHMS, SCATTER_REDUCE
 
     if "algorithm" not in kw:
         c = compressors.from_spec(spec) if isinstance(spec, str) else spec

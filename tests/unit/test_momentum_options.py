@@ -9,7 +9,7 @@ import torch
 
 import comms
 from comms import CompressionState
-from comms.local_memory import LocalMemory
+from comms.core.memory import LocalMemory
 
 
 @pytest.mark.parametrize("kw, exc", [
@@ -100,7 +100,7 @@ def test_checkpoint_with_a_bool_masking_loads_as_its_mode():
 def test_which_warm_up_steps_go_dense():
     # a variant above 15% density, or one whose bytes exceed half a dense step's, goes dense
     from comms.algorithms import get_algorithm
-    from comms.hook import WARM_DENSE_DENSITY, _warm_step_goes_dense
+    from comms.ddp.hook import WARM_DENSE_DENSITY, _warm_step_goes_dense
     from compressors import TopK
 
     x = torch.zeros(10_000)
