@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from .base import Algorithm, round_wait
+from .base import Algorithm, PLAIN, Want, round_wait
 
 __all__ = ["Hierarchical", "HIER_PASSES"]
 
@@ -112,7 +112,7 @@ class Hierarchical(Algorithm):
         lo = intra.rank * shard
         return self.inner.flush_residual_(x[lo: min(n, lo + shard)], store, inter, numel=shard)
 
-    def __call__(self, comm, compressor, x, ctx, store):
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
         intra, inter = self._tiers(comm)
         if intra is None or inter is None:
             raise ValueError(f"algorithm {self.name!r} needs a TieredCommunicator (with .intra and "

@@ -40,7 +40,7 @@ from compressors.hashrng import stream_key, uniform_into
 
 from . import buffers, cuda_kernels as cuda_dispatch
 from ..transport.futures import when_all
-from .base import Algorithm, round_wait
+from .base import Algorithm, PLAIN, Want, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 
 __all__ = ["SharedScale", "shared_scale", "shared_scale_levels", "shared_scale_error_bound",
@@ -270,7 +270,7 @@ class SharedScale(Algorithm):
     name = "shared_scale"
     family = "shared_scale"
 
-    def __call__(self, comm, compressor, x, ctx, store):
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
         return _shared_scale(comm, compressor, x, ctx, store)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):

@@ -2,7 +2,7 @@
 
 A flat gradient — a DDP bucket, an FSDP module's unsharded gradient, an HSDP shard — becomes
 the averaged result through the same named stages, whatever adapter drives them
-(:mod:`comms.ddp.hook` for DDP, :mod:`comms.fsdp.collectives` for FSDP2 and HSDP):
+(driven by :mod:`comms.core.engine` for DDP, FSDP2 and HSDP alike):
 
 1. :func:`local_` — this rank's local steps, before any collective: its share of the
    average, clipping to ``clip_norm``, momentum correction (``u = m u + x``, ``x = u``).
@@ -29,6 +29,8 @@ import struct
 import torch
 
 from compressors.deferred import Deferred, materialized
+
+from ..algorithms.base import Want
 
 __all__ = ["local_", "feed_", "local_flagged", "nonfinite_flag", "warm_step_goes_dense",
            "Delivery", "settle_", "WARM_DENSE_DENSITY"]
@@ -132,9 +134,10 @@ def warm_step_goes_dense(compressor, wire_bytes: int, dense_bytes: int) -> bool:
 class Delivery:
     """How one compressed step's result is settled, fixed before the algorithm runs.
 
-    ``masking``: the momentum-masking rule of the per-rank velocity (default: momentum
-    correction's ``momentum_masking``, ``"off"`` without it; Adam's local momentum space passes
-    ``"sent"``).
+    ``alg``: the algorithm about to run (whether its aggregate can hold back what a rank sent,
+    whether it is a shard). ``masking``: the momentum-masking rule of the per-rank velocity
+    (default: momentum correction's ``momentum_masking``, ``"off"`` without it; Adam's local
+    momentum space passes ``"sent"``).
 
     Attributes:
         mask: DGC's momentum masking ("sent"): zero the velocity wherever this rank sent.
@@ -144,43 +147,43 @@ class Delivery:
             the second compression left out of this rank's values stays in this rank's
             residual (no owner residual), as if unsent.
         error_feedback: the residual ``x - own`` is kept.
+        shard: the aggregate is this rank's chunk only: the caller places it, not ``x``.
     """
 
-    __slots__ = ("mask", "mask_held", "give_back", "error_feedback")
+    __slots__ = ("mask", "mask_held", "give_back", "error_feedback", "shard")
 
-    def __init__(self, st, compressor, holds_back: bool, masking: str | None = None):
+    def __init__(self, st, compressor, alg, masking: str | None = None):
         sparsifies = getattr(compressor, "sparsifies", False)
         if masking is None:  # momentum correction's rule, where it keeps a velocity
             masking = st.momentum_masking if st.momentum is not None else "off"
         masking = masking if sparsifies else "off"
         self.error_feedback = st.error_feedback
         self.mask = masking == "sent"
-        self.give_back = holds_back and st.error_feedback and sparsifies
-        self.mask_held = masking == "held" and holds_back and not self.give_back
+        self.give_back = alg.holds_back and st.error_feedback and sparsifies
+        self.mask_held = masking == "held" and alg.holds_back and not self.give_back
+        self.shard = alg.shard
 
     @property
     def needs_own(self) -> bool:
         """Whether this rank's decoded contribution is needed after the collective."""
         return bool(self.error_feedback or self.mask or self.mask_held)
 
-    def algorithm_kwargs(self, st, alg, index: int, x: torch.Tensor) -> dict:
-        """The keywords of ``alg(...)`` for this delivery (algorithms with deferred results)."""
-        if not alg.deferred_results:
-            return {"return_held": True} if self.give_back else {}
-        kw = {"deferred": True, "own": self.needs_own}
-        if self.give_back:
-            kw["return_held"] = True
-        elif self.error_feedback and not (self.mask or self.mask_held):
+    def want(self, st, index: int, x: torch.Tensor, **more) -> Want:
+        """What the algorithm is asked for (``more``: the caller's own fields, e.g. a
+        reduce-scatter's ``exact_own`` and ``tail``)."""
+        on_own = None
+        if self.error_feedback and not (self.give_back or self.mask or self.mask_held):
             # the residual x - own, written while the payload is on the wire (x is unchanged
             # until settle_ writes the aggregate into it); own then comes back None
-            kw["on_own"] = functools.partial(st.memory.update_, index, x)
-        return kw
+            on_own = functools.partial(st.memory.update_, index, x)
+        return Want(deferred=True, own=self.needs_own, on_own=on_own, return_held=self.give_back, **more)
 
 
-def settle_(st, index: int, x: torch.Tensor, total, own, d: Delivery) -> torch.Tensor:
+def settle_(st, index: int, x: torch.Tensor, total, own, d: Delivery):
     """After the algorithm: residual and momentum masking from ``x`` (what was fed in) and
     ``own`` (this rank's decoded contribution), then ``total`` (the aggregate, possibly a
-    :class:`~compressors.deferred.Deferred`) written into ``x``; returns ``x``."""
+    :class:`~compressors.deferred.Deferred`) written into ``x``; returns ``x`` — or, for a
+    shard (``d.shard``), ``total`` itself, which the caller places."""
     mem = st.memory
     if d.give_back:  # before the aggregate goes into x
         own, total = materialized(own), materialized(total)
@@ -196,12 +199,17 @@ def settle_(st, index: int, x: torch.Tensor, total, own, d: Delivery) -> torch.T
             mem.update_masked_(index, x, own, held)
         else:
             mem.mask_velocity_(index, own, held)
+    elif d.shard:
+        if d.error_feedback and own is not None:
+            mem.update_(index, x, own)
     elif d.error_feedback and isinstance(own, Deferred) and isinstance(total, Deferred):
         return mem.update_into_(index, x, own, total)  # x read once, written once
     elif d.error_feedback and own is not None:  # None: written already (on_own)
         mem.update_(index, x, own)
+    if d.shard:
+        return total
     if isinstance(total, Deferred):
         total.into_(x)  # decoded straight into x (after the residual read it)
-    else:
+    elif total is not x:
         x.copy_(total)
     return x

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
+from ..algorithms.dense import dense_wire_bytes
+
 __all__ = ["BucketStats", "record_call", "dense_wire_bytes", "stats_rows"]
-
-
-def dense_wire_bytes(numel: int, element_size: int, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``numel`` elements (a dense step)."""
-    return 2 * (world - 1) * numel * element_size // world
 
 
 class BucketStats:
@@ -32,14 +29,15 @@ class BucketStats:
 
 
 def record_call(stats: dict, index: int, numel: int, dtype, element_size: int, world: int,
-                algorithm: str, wire_bytes, compressor=None) -> BucketStats:
+                algorithm: str, wire_bytes, compressor=None, dense_bytes=None) -> BucketStats:
     """Count one call of bucket ``index``; (re)create its entry when its size, algorithm or
-    ``compressor`` (a warm-up variant, then the compressor itself) changed. ``wire_bytes()`` is
-    called only then (dense: the ring allreduce's bytes)."""
+    ``compressor`` (a warm-up variant, then the compressor itself) changed. ``wire_bytes()`` and
+    ``dense_bytes()`` are called only then (``None``: a ring allreduce's bytes; a dense route
+    sends the dense bytes)."""
     st = stats.get(index)
     if (st is None or st.numel != numel or st.algorithm != algorithm
             or st._compressor is not compressor):
-        dense = dense_wire_bytes(numel, element_size, world)
+        dense = dense_wire_bytes(numel, element_size, world) if dense_bytes is None else dense_bytes()
         st = stats[index] = BucketStats(index, numel, dtype, algorithm, dense,
                                         dense if wire_bytes is None else wire_bytes(), compressor)
     st.calls += 1

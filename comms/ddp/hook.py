@@ -1,12 +1,13 @@
-"""``compression_hook``: the DDP communication hook that compresses each gradient bucket.
+"""``compression_hook``: the DDP communication hook — a gradient bucket through the engine.
 
-Per bucket: configuration check (once per layout, :mod:`comms.core.config_check`), plain
-allreduce for the first ``start_iter`` iterations, then divide by the world size, add the
-error-feedback residual, run the bucket's algorithm (fixed, or chosen by the ``auto``
-planner), update the residual and write the aggregate into ``bucket.buffer()``. The future
-DDP gets resolves after the step's non-finite flags (:mod:`comms.ddp.step_flags`); bucket
-layouts for resume are tracked by :mod:`comms.ddp.layouts`. Guarantees are listed in README
-"Troubleshooting and guarantees"; the invariants in ``comms/ARCHITECTURE.md`` §4-5.
+Per bucket: the configuration check (once per layout, :mod:`comms.core.config_check`), the
+route (dense before ``start_iter`` and for small buckets; then the pinned algorithm or the
+``auto`` planner's), then :func:`comms.core.engine.run` on the flat bucket with this rank's
+share of the average (``div`` = the world size). This adapter only translates: a bucket whose
+parameters map onto several residual layouts (a resumed run's, DDP's rebuilt buckets) is split
+into parts (:mod:`comms.ddp.layouts`), each part's result is scattered back, and every
+result reaches DDP through the step's non-finite flags (:mod:`comms.ddp.step_flags`).
+Guarantees are listed in README "Guarantees"; the invariants in ``comms/ARCHITECTURE.md``.
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
@@ -15,25 +16,52 @@ import logging
 import torch
 import torch.distributed as dist
 
-from compressors import Context
-
-from ..algorithms import ALGORITHMS, DENSE, get_algorithm
-from ..transport.errors import clean_message, failure, where
-from ..transport.futures import completed, guarded, stream_mark, wait_mark, when_all
-from ..core.stages import (WARM_DENSE_DENSITY, Delivery, feed_, local_, local_flagged, nonfinite_flag, settle_, warm_step_goes_dense)
+from ..algorithms import DENSE
+from ..algorithms.dense import dense_allreduce as _dense_allreduce
+from ..core.engine import BEFORE_START, Call, Route, Sink, run
+from ..core.stages import local_
+from ..transport.errors import clean_message, where
+from ..transport.futures import completed, stream_mark, wait_mark, when_all
 from .state import CompressionState
-from ..core.stats import dense_wire_bytes, record_call
 
-__all__ = ["compression_hook", "dense_allreduce", "RESIDUAL_DRAIN_STEPS", "WARM_DENSE_DENSITY"]
+__all__ = ["compression_hook", "dense_allreduce", "DDPSink"]
 
 logger = logging.getLogger(__name__)
 
-#: dense steps over which a bucket's error-feedback residual is added once plain allreduce is
-#: the decision for it (a dense lock; trial and watchdog dense steps leave the residual for
-#: the compressed steps that follow): random-k 1%'s residual holds up to 5 steps of gradient
-#: (its residual bound), so each of 8 shares adds under a step; added at once it was a 10x
-#: step (docs/design-notes.md, "Residual drain")
-RESIDUAL_DRAIN_STEPS = 8
+_LABELS = {DENSE: "dense allreduce", "dense (warm-up)": "dense allreduce (warm-up)"}
+
+
+class DDPSink(Sink):
+    """DDP's side of the engine: the plain allreduce as the dense route; every result through
+    the step's flags (one allreduce at the last bucket), a split bucket's part scattered back."""
+
+    dense = _dense_allreduce
+
+    def __init__(self, state: CompressionState):
+        self.state = state
+
+    def what(self, comm, call, label):
+        x = call.x
+        return where(comm, _LABELS.get(label, f"{label} collective"), call.index, x.numel(), x.dtype, call.step)
+
+    def land(self, comm, call, alg, fut, flag, settle, what):
+        st, x = self.state, call.x
+        if alg is self.dense:
+            st.dense_calls += 1
+        # CUDA: what this thread enqueued while the payload is on the wire (the residual, the
+        # own decode) must finish before the callback, on another stream, writes into x
+        in_flight = stream_mark(x)
+
+        def finish(f):
+            try:
+                result = f.value()
+            except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
+                msg = clean_message(exc)
+                raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
+            wait_mark(in_flight, x)
+            return settle(result)
+
+        return st.flags.enqueue(call.index, call.step, flag, x, fut.then(finish), call.dest, what=what)
 
 
 def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures.Future:
@@ -43,17 +71,9 @@ def dense_allreduce(state: CompressionState, buf: torch.Tensor) -> torch.futures
     return comm.all_reduce(buf)
 
 
-def _flush_residual_(x, store: dict, prev: str | None, comm) -> None:
-    """On a switch away from ``prev``: its kept residual goes into ``x`` once."""
-    alg = ALGORITHMS.get(prev) if prev is not None else None
-    if alg is not None:
-        alg.flush_residual_(x, store, comm)
-
-
 def _on_nonfinite(state: CompressionState):
     def reset(bucket: int, step: int) -> None:
-        state.reset_bucket(bucket)
-        state.nonfinite_buckets += 1
+        state.reset_flagged_(bucket, True)
         msg = ("commpress: non-finite gradient in bucket %d at step %d: the bucket is NaN on "
                "every rank (GradScaler skips the step) and its error-feedback residual and "
                "algorithm store were reset (state.nonfinite_buckets counts these)")
@@ -65,151 +85,15 @@ def _on_nonfinite(state: CompressionState):
     return reset
 
 
-def _dense_for_now(state: CompressionState) -> bool:
-    """This dense step is an autotune trial's or a watchdog check's: the decision may be to
-    compress (the same on every rank: the tuner's schedule is)."""
-    tuner = getattr(state.planner, "tuner", None) if state.planner is not None else None
-    return tuner is not None and (not tuner.locked or tuner.rule != tuner.decision)
-
-
-def _limit(state: CompressionState, world: int) -> float | None:
-    """The clip limit of one rank's share of the average (``clip_norm / world``)."""
-    return None if state.clip_norm is None else state.clip_norm / world
-
-
-def _plain_allreduce(state: CompressionState, comm, index: int, step: int, x: torch.Tensor, flag,
-                     scatter, label: str = "dense allreduce") -> torch.futures.Future:
-    """A dense step of ``x`` (already this rank's share: summed, not averaged) through the
-    step's flags; counted in ``state.dense_calls``."""
-    state.dense_calls += 1
-    what = where(comm, label, index, x.numel(), x.dtype, step)
-    return state.flags.enqueue(index, step, flag, x, guarded(comm.all_reduce(x), what), scatter, what=what)
-
-
-def _averaged_allreduce(state: CompressionState, comm, index: int, step: int, x: torch.Tensor,
-                        scatter=None) -> torch.futures.Future:
-    """DDP's plain step for a bucket with no local steps: ``x`` divided by the world size
-    first (as torch's hooks do: no fp16 overflow in the sum), then :func:`_plain_allreduce`
-    without a flag of its own."""
-    x.div_(comm.world_size)
-    return _plain_allreduce(state, comm, index, step, x, None, scatter)
-
-
-def _record(state, index: int, x: torch.Tensor, world: int, name: str, wire=None, compressor=None):
-    record_call(state.stats, index, x.numel(), x.dtype, x.element_size(), world, name, wire, compressor)
-
-
-def _route_dense(state: CompressionState, comm, x: torch.Tensor, index: int, step: int, scatter,
-                 prev: str | None, switched: bool, mbar=None) -> torch.futures.Future:
-    """The auto planner routes this bucket to the plain allreduce: local steps, the previous
-    algorithm's residual flushed once, the error-feedback residual kept through a trial's
-    dense steps or drained over a few dense steps once dense is the decision."""
-    world = comm.world_size
-    _record(state, index, x, world, DENSE)
-    kept = state.error_feedback and index in state.memory.residuals
-    if not switched and not kept and not state.local_transform and mbar is None:
-        return _averaged_allreduce(state, comm, index, step, x, scatter)
-    flag = local_flagged(state, index, x, world, _limit(state, world), mbar)
-    if switched:
-        _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
-        state.algo_store.pop(index, None)  # the store is spent; the velocity is not
-    if kept and not _dense_for_now(state):
-        if index not in state.memory.draining:
-            state.memory.start_drain(index, RESIDUAL_DRAIN_STEPS)
-        state.memory.drain_step_(index, x)
-    return _plain_allreduce(state, comm, index, step, x, flag, scatter)
-
-
-def _warm_step_goes_dense(alg, compressor, x: torch.Tensor, world: int) -> bool:
-    """:func:`~comms.core.stages.warm_step_goes_dense` for ``alg``'s bytes against a dense
-    allreduce's."""
-    return warm_step_goes_dense(compressor, alg.wire_bytes(compressor, x.numel(), x.dtype, world),
-                                dense_wire_bytes(x.numel(), x.element_size(), world))
-
-
-def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
-                   scatter=None, shapes: tuple = (), dense: bool = False, mbar=None) -> torch.futures.Future:
-    """One flat tensor through the pipeline in place; returns the (pending) future.
-
-    ``shapes``: the shapes of the parameters ``x`` is made of, in order (``()``: unknown);
-    they reach the compressor as ``Context.shapes`` (PowerSGD factorizes each matrix).
-    ``dense``: a plain allreduce step (before ``start_iter``, small buckets) that still needs
-    the local steps (momentum correction, clipping). ``mbar``: Adam's shared momentum of these
-    elements once the variance froze (the momentum is what travels: :mod:`comms.core.adam`).
-    """
-    comm = state.comm()
-    world = comm.world_size
+def _route(state: CompressionState, index: int, x: torch.Tensor, dense: bool) -> Route:
+    """Dense before compression starts and for small buckets; else the pinned algorithm or
+    the planner's (whose dense is settled unless it is a tuning trial's or a check's)."""
     if dense:
-        flag = local_flagged(state, index, x, world, _limit(state, world), mbar)
-        return _plain_allreduce(state, comm, index, step, x, flag, scatter)
+        return BEFORE_START
     name = state.algorithm_for(index, x.numel(), x.dtype)
-    # the auto planner may move a bucket between algorithms (autotune trials): residuals of
-    # the old one are added into the bucket once, so no gradient mass is lost
-    prev = state.planner.note_used(index, name) if state.planner is not None else None
-    switched = prev is not None and prev != name
-    if name == DENSE:
-        return _route_dense(state, comm, x, index, step, scatter, prev, switched, mbar)
-    state.memory.draining.pop(index, None)  # back to compressing: what is left is a residual again
-    # warm-up variant (DGC; in Adam's momentum space its ramp starts when the variance froze)
-    compressor = state.compressor_at(step if mbar is None else step - state.adam.freeze_iter + state.start_iter)
-    amax = feed_(state, index, x, world, _limit(state, world), mbar)
-    if switched:
-        _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
-        state.algo_store.pop(index, None)  # stores belong to one algorithm
-        amax = None
-    # it travels with the step's flag allreduce
-    flag = nonfinite_flag(x, amax)
-    alg = get_algorithm(name)
-    if compressor is not state.compressor and _warm_step_goes_dense(alg, compressor, x, world):
-        # the lossless end of the ramp: the residual (already in x) goes with it; the velocity
-        # goes on; flagged like a compressed step (a NaN resets the bucket's memory)
-        state.memory.residuals.pop(index, None)
-        _record(state, index, x, world, DENSE)
-        return _plain_allreduce(state, comm, index, step, x, flag, scatter, "dense allreduce (warm-up)")
-    masking = None if mbar is None else state.adam.masking(step)
-    return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, masking)
-
-
-def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, masking):
-    """The algorithm's rounds on the fed ``x``, then :func:`~comms.core.stages.settle_` once the
-    result is in, through the step's flags."""
-    ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
-                  bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
-    _record(state, index, x, comm.world_size, alg.name,
-            lambda: alg.bucket_wire_bytes(compressor, ctx, comm.world_size), compressor)
-    what = where(comm, f"{alg.name} collective", index, x.numel(), x.dtype, step)
-    delivery = Delivery(state, compressor, alg.holds_back, masking)
-    try:
-        fut = alg(comm, compressor, x, ctx, state.store(index),
-                  **delivery.algorithm_kwargs(state, alg, index, x))
-    except (RuntimeError, IndexError, OverflowError) as exc:
-        # an intermediate round (waited in this thread) failed, or what it handed back does not
-        # decode: gloo can return garbage instead of an error once a peer is gone. Raised from
-        # here it would reach backward() bare ("index out of range in self")
-        raise _round_failure(what, exc) from None
-    # CUDA: what this thread enqueued while the payload is on the wire (on_own's residual, the
-    # own decode) must finish before the callback, on another stream, writes into x
-    in_flight = stream_mark(x)
-
-    def finish(f):
-        try:
-            total, own = f.value()
-        except Exception as exc:  # noqa: BLE001 - re-raised with context (cleaned at the last hop)
-            msg = clean_message(exc)
-            raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
-        wait_mark(in_flight, x)
-        return settle_(state, index, x, total, own, delivery)
-
-    return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter, what=what)
-
-
-def _round_failure(what: str, exc: BaseException) -> BaseException:
-    """The error ``backward()`` gets when an algorithm fails in the hook's own thread."""
-    if clean_message(exc).startswith("commpress:"):
-        return failure(what, exc)  # our own wording (a timed-out round, a corrupt table)
-    return failure(what, RuntimeError(
-        f"{clean_message(exc)} (when a peer died or disconnected, gloo can hand back garbage "
-        "instead of an error, and decoding it fails like this)"))
+    tuner = getattr(state.planner, "tuner", None) if state.planner is not None else None
+    trial = tuner is not None and (not tuner.locked or tuner.rule != tuner.decision)
+    return Route(name, settled=not trial)
 
 
 def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):
@@ -232,7 +116,7 @@ def _begin_bucket(state: CompressionState, bucket: dist.GradBucket, buf: torch.T
             state.communicator = state.planner.setup(comm, state.process_group)
             comm = state.comm()
         if index == 0:  # DDP launches bucket 0 first, after the last step's futures were waited
-            state.planner.begin_step(step, _start(state, step), buf.numel(), buf.dtype,
+            state.planner.begin_step(step, state.first_step(step), buf.numel(), buf.dtype,
                                      state.warmup_steps)
         state.planner.observe(index, buf.numel(), buf.dtype, bucket)
     if index == 0 and state.replica_guard is not None and comm.world_size > 1:
@@ -250,9 +134,18 @@ def _shapes_at(bucket: dist.GradBucket, numel: int) -> dict:
     return shape_at if off == numel else {}
 
 
-def _split_bucket(state, buf, plan, shape_at, step, dense, mbar=None) -> torch.futures.Future:
+def _part(state, comm, sink, x, index, step, dense, mbar, shapes=(), scatter=None):
+    """One flat part of a bucket through the engine."""
+    world = comm.world_size
+    limit = None if state.clip_norm is None else state.clip_norm / world  # this rank's share
+    call = Call(index, step, x, _route(state, index, x, dense), div=world, limit=limit, mbar=mbar,
+                shapes=shapes, dest=scatter)
+    return run(state, comm, call, sink)
+
+
+def _split_bucket(state, comm, sink, buf, plan, shape_at, step, dense, mbar=None) -> torch.futures.Future:
     """A bucket whose parameters map onto several residual layouts (a resumed run's layouts,
-    DDP's rebuilt buckets): each part goes through the pipeline under its own index."""
+    DDP's rebuilt buckets): each part goes through the engine under its own index."""
     subs = []
     for j, segs in plan:
         x = torch.cat([buf[o: o + n] for o, n in segs])
@@ -267,32 +160,28 @@ def _split_bucket(state, buf, plan, shape_at, step, dense, mbar=None) -> torch.f
         shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
             else tuple(s[1] for s in segs_shapes)
         part = None if mbar is None else torch.cat([mbar[o: o + n] for o, n in segs])
-        subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes, dense=dense, mbar=part))
+        subs.append(_part(state, comm, sink, x, j, step, dense, part, shapes, scatter))
     return when_all(subs, buf)
 
 
 def _exchange(state, comm, bucket, buf, index: int, step: int) -> torch.futures.Future:
-    """The bucket's configuration check (once per layout), then a plain averaged allreduce
-    (before ``start_iter``, small buckets, no local steps) or the pipeline."""
+    """The bucket's configuration check (once per layout), then the engine on the bucket (or
+    on each part of a split one)."""
     state.flags.drop_stale(step)
     state.config_check.check(comm, index, buf, step,
                              lambda: state.config_hash(index, buf.numel(), buf.dtype, step),
                              lambda: state.config_values(index, buf.numel(), buf.dtype, step))
+    sink = DDPSink(state)
     mbar = _shared_momentum(state, bucket, step)
-    dense = step < _start(state, step) or buf.numel() < state.min_compress_numel
+    dense = step < state.first_step(step) or buf.numel() < state.min_compress_numel
     if dense and not state.local_transform and mbar is None:
-        return _averaged_allreduce(state, comm, index, step, buf)
+        return _part(state, comm, sink, buf, index, step, True, None)  # no memory: no layout to follow
     plan = _layout_plan(state, bucket, buf, index)
     shape_at = _shapes_at(bucket, buf.numel())
     if plan == [(index, None)]:
         shapes = tuple(s for _, s in shape_at.values())
-        return _compress_flat(state, buf, index, step, shapes=shapes, dense=dense, mbar=mbar)
-    return _split_bucket(state, buf, plan, shape_at, step, dense, mbar)
-
-
-def _start(state: CompressionState, step: int) -> int:
-    """The first compressed step: ``start_iter``, or later while Adam's variance settles."""
-    return state.start_iter if state.adam is None else state.adam.start(step, state.start_iter)
+        return _part(state, comm, sink, buf, index, step, dense, mbar, shapes)
+    return _split_bucket(state, comm, sink, buf, plan, shape_at, step, dense, mbar)
 
 
 _NO_MOMENTUM = torch.zeros(0)
@@ -315,7 +204,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     The first ``state.start_iter`` iterations use plain allreduce. Afterwards the bucket is
     divided by the world size, its residual added, compressed, moved with the algorithm
     :meth:`~comms.ddp.state.CompressionState.algorithm_for` picks, decoded identically on every
-    rank and written back into ``bucket.buffer()``.
+    rank and written back into ``bucket.buffer()`` (:func:`comms.core.engine.run`).
 
     Args:
         state: a :class:`~comms.ddp.state.CompressionState`.

@@ -30,8 +30,8 @@ from ..core.checkpoint import hash64, plain, to_device
 from ..transport.communicator import Communicator, TorchCommunicator
 from ..core.config_check import ConfigCheck
 from .layouts import LayoutTracker
-from ..core.memory import LocalMemory
-from ..core.options import OptionsView, PipelineOptions
+from ..core.gradient_state import GradientState
+from ..core.options import PipelineOptions
 from ..core.stats import BucketStats, stats_rows
 from .step_flags import StepFlags
 
@@ -87,7 +87,7 @@ def resolve_algorithm(compressor, algorithm, autotune, autotune_steps):
     return algorithm, planner
 
 
-class CompressionState(OptionsView):
+class CompressionState(GradientState):
     """State of :func:`comms.ddp.hook.compression_hook`.
 
     Args:
@@ -125,20 +125,19 @@ class CompressionState(OptionsView):
     """
 
     __slots__ = (
-        "process_group", "communicator", "options", "memory", "iter", "algorithm", "planner",
-        "min_compress_numel", "stats", "algo_store", "dense_calls", "layout_tracker",
-        "param_names", "nonfinite_buckets", "config_check", "flags", "_warned_nonfinite",
-        "replica_guard", "adam", "__weakref__",
+        "process_group", "communicator", "iter", "algorithm", "planner", "min_compress_numel",
+        "dense_calls", "layout_tracker", "param_names", "config_check", "flags", "_warned_nonfinite",
+        "__weakref__",
     )
 
     _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
-                  "adam", "__weakref__")
+                  "adam", "routes", "__weakref__")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, start_iter: int = 2,
                  algorithm: str | None = None, min_compress_numel: int = 0, autotune: bool = True,
                  autotune_steps: int = 2, **options):
-        self.options = PipelineOptions(compressor, start_iter=start_iter, **options)
+        super().__init__(PipelineOptions(compressor, start_iter=start_iter, **options))
         if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int):
             raise TypeError(f"min_compress_numel must be an int, got {min_compress_numel!r}")
         if min_compress_numel < 0:
@@ -148,20 +147,14 @@ class CompressionState(OptionsView):
                                                          autotune_steps)
         self.process_group = process_group
         self.communicator = communicator
-        self.memory = LocalMemory()
         self.iter = 0
         self.min_compress_numel = min_compress_numel
-        self.stats: dict[int, BucketStats] = {}
-        self.algo_store: dict[int, dict] = {}
         self.dense_calls = 0
         # the layout each bucket's residual and store belong to (persisted: resume maps DDP's
         # first-iteration buckets onto it)
         self.layout_tracker = LayoutTracker()
         self.param_names: dict[int, str] = {}  # data_ptr -> name, filled by bind()
-        self.nonfinite_buckets = 0
         self._warned_nonfinite = False
-        self.replica_guard = None    # comms.core.replicas.ReplicaGuard, set by register()
-        self.adam = None             # comms.core.adam.FrozenVarianceAdam, set by register()
         self._reset_transient()
 
     def _reset_transient(self) -> None:
@@ -230,8 +223,10 @@ class CompressionState(OptionsView):
                     sub.timeout = self.timeout
         return c
 
-    def store(self, bucket: int) -> dict:
-        return self.algo_store.setdefault(bucket, {})
+    @property
+    def nonfinite_buckets(self) -> int:
+        """How many (bucket, step) reductions were non-finite and NaN-filled."""
+        return self.nonfinite_calls
 
     def reset_bucket(self, bucket: int) -> None:
         """Forget a bucket's residual, velocity and algorithm store (layout change, non-finite
@@ -312,20 +307,22 @@ class CompressionState(OptionsView):
         self.layout_tracker = LayoutTracker()
         self.layout_tracker.layouts = {int(b): tuple(lay) for b, lay in sd.get("layouts", {}).items()}
         self.layout_tracker.restored = True
-        self.nonfinite_buckets = int(sd.get("nonfinite_buckets", 0))
+        self._nonfinite = int(sd.get("nonfinite_buckets", 0))
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
         self._reset_transient()
 
     def __getstate__(self):
         # like torch's PowerSGDState: process groups and communicators do not pickle
-        return {k: getattr(self, k) for k in self.__slots__ if k not in self._TRANSIENT}
+        slots = GradientState.__slots__ + self.__slots__
+        return {k: getattr(self, k) for k in slots if k not in self._TRANSIENT}
 
     def __setstate__(self, st):
         self.process_group = None
         self.communicator = None
         self.replica_guard = None
         self.adam = None
+        self.routes = {}
         self._reset_transient()
         for k, v in st.items():
             setattr(self, k, v)

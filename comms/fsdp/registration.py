@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from .collectives import CompressedReduceScatter, ReplicateAllReduce, ShardReduceScatter
+from .reduce_scatter import CompressedReduceScatter
+from .replicate import ReplicateAllReduce, ShardReduceScatter
 from .params import PARAM_MODES, QuantizedAllGather
 from .state import FSDP_CONFIG_FIELDS, FSDPCompressionState
 from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_pairing, give_back_momentum,

@@ -23,8 +23,8 @@ from ..transport.errors import where
 from .params import GatherStats, resolve_params
 from ..tuning.module_tuner import ModuleTuner
 from .unused import UnusedParams
-from ..core.memory import LocalMemory
-from ..core.options import OPTION_FIELDS, OptionsView, PipelineOptions
+from ..core.gradient_state import GradientState
+from ..core.options import OPTION_FIELDS, PipelineOptions
 from ..core.stats import stats_rows
 
 __all__ = ["FSDPCompressionState", "FSDP_CONFIG_FIELDS", "HSDP_ALGORITHMS", "SCATTER_REDUCE"]
@@ -76,8 +76,8 @@ def _default_flat(c: Compressor) -> str | None:
     return next((a for a in HSDP_ALGORITHMS if c.supports(a)), None)
 
 
-class FSDPCompressionState(OptionsView):
-    """State of the FSDP/HSDP adapters (:mod:`comms.fsdp.collectives`).
+class FSDPCompressionState(GradientState):
+    """State of the FSDP/HSDP adapters (:mod:`comms.fsdp.reduce_scatter`, :mod:`comms.fsdp.replicate`).
 
     Args:
         compressor: a :class:`compressors.Compressor` or a spec string.
@@ -106,7 +106,7 @@ class FSDPCompressionState(OptionsView):
 
     def __init__(self, compressor: "Compressor | str", *, replicate_group=None,
                  algorithm: str | None = None, params: str | None = None, **options):
-        self.options = PipelineOptions(compressor, **options)
+        super().__init__(PipelineOptions(compressor, **options))
         if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
             hint = " (for a DeviceMesh pass mesh.get_group('replicate'))" \
                 if "Mesh" in type(replicate_group).__name__ else ""
@@ -121,16 +121,10 @@ class FSDPCompressionState(OptionsView):
         self.gather_tuner = ModuleTuner(prefer_dense=-0.03) if self.params == "tuned" else None
         self.gather_stats: dict[int, GatherStats] = {}  # module index -> its parameter all-gathers
         self.replicate_group = replicate_group
-        self.memory = LocalMemory()              # module index -> residual, velocity
-        self.algo_store: dict[int, dict] = {}    # HSDP: the algorithm's per-module store
         self.steps: dict[int, int] = {}          # module index -> calls so far (the RNG step)
         self.modules: list[str] = []             # module index -> fqn
         self.divide_factors: list[float] = []    # module index -> FSDP's post-sum divide factor
-        self.stats: dict = {}
         self.tuner = ModuleTuner() if self.algorithm == "auto" else None
-        self.replica_guard = None                # comms.core.replicas.ReplicaGuard, set by register()
-        self.adam = None                         # comms.core.adam.FrozenVarianceAdam, set by register()
-        self._nonfinite: torch.Tensor | None = None
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
         self._comms: dict[int, TorchCommunicator] = {}
         self._pending: list = []                 # run when backward ends (defer(), at_backward_end())
@@ -158,24 +152,6 @@ class FSDPCompressionState(OptionsView):
         if self.mode == "fsdp":
             return None
         return self.algorithm if self.algorithm != "auto" else _default_flat(self.compressor)
-
-    def route(self, index: int, step: int) -> str:
-        """``"dense"`` or ``"compressed"`` for this call of module ``index`` (the same on
-        every rank: ``step`` and the tuner's agreed decisions are)."""
-        start = self.first_step(step)
-        if step < start:
-            return DENSE
-        if self.tuner is None:
-            return "compressed"
-        return self.tuner.route(index, step - start - self.warmup_steps)
-
-    def first_step(self, step: int) -> int:
-        """The first compressed step: ``start_iter``, or later while Adam's variance settles."""
-        return self.start_iter if self.adam is None else self.adam.start(step, self.start_iter)
-
-    def compressor_for(self, step: int):
-        """The compressor of a compressed call: the warm-up ramp from the first compressed step."""
-        return self.compressor_at(step - self.first_step(step) + self.start_iter)
 
     def begin(self, index: int, comm, x: torch.Tensor) -> int:
         """Before a module's data moves: the config check (once per layout, collective) and,
@@ -225,30 +201,10 @@ class FSDPCompressionState(OptionsView):
         for finish in pending:
             finish()
 
-    def count_nonfinite(self, flagged: torch.Tensor) -> None:
-        f = flagged.reshape(()).to(torch.int64)
-        self._nonfinite = f if self._nonfinite is None else self._nonfinite.add(f.to(self._nonfinite.device))
-
-    def reset_flagged_(self, index: int, flagged: torch.Tensor) -> None:
-        """A non-finite call: zero the module's residual, velocity and store (no host read)."""
-        for t in (self.memory.residuals.get(index), self.memory.velocities.get(index)):
-            if t is not None:
-                t.masked_fill_(flagged, 0.0)
-        for t in self.algo_store.get(index, {}).values():
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                t.masked_fill_(flagged, 0.0)
-        self.count_nonfinite(flagged)
-
     @property
     def nonfinite_modules(self) -> int:
         """How many (module, step) reductions were non-finite and NaN-filled (reads the device)."""
-        return 0 if self._nonfinite is None else int(self._nonfinite.item())
-
-    def residual_bytes(self) -> int:
-        """Bytes of error-feedback memory this rank holds (residuals and algorithm stores)."""
-        n = sum(r.numel() * r.element_size() for r in self.memory.residuals.values())
-        return n + sum(t.numel() * t.element_size() for d in self.algo_store.values()
-                       for t in d.values() if isinstance(t, torch.Tensor))
+        return self.nonfinite_calls
 
     def report(self) -> str:
         """Per-module table: numel, route, dense and wire bytes one rank sends per step."""
@@ -303,7 +259,7 @@ class FSDPCompressionState(OptionsView):
         self.memory.load_state_dict(sd["memory"], device=device)
         self.algo_store = {int(i): to_device(d, device) for i, d in sd["algo_store"].items()}
         n = int(sd.get("nonfinite_modules", 0))
-        self._nonfinite = torch.tensor(n) if n else None
+        self._nonfinite = n
         if self.tuner is not None and sd.get("tuner") is not None:
             self.tuner.load_state_dict(sd["tuner"])
         if self.gather_tuner is not None and sd.get("gather_tuner") is not None:
@@ -314,13 +270,15 @@ class FSDPCompressionState(OptionsView):
             self.adam.load_state_dict(sd["adam"])
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items()
+        held = {k: getattr(self, k) for k in GradientState.__slots__} | self.__dict__
+        return {k: v for k, v in held.items()
                 if k not in ("replicate_group", "_comms", "config_check", "replica_guard", "adam",
-                             "_pending", "unused")}
+                             "_pending", "unused", "routes")}
 
     def __setstate__(self, st):
-        self.__dict__.update(st)
+        for k, v in st.items():
+            setattr(self, k, v)
         self.replicate_group, self._comms, self.replica_guard, self.adam = None, {}, None, None
-        self._pending, self.unused = [], UnusedParams()
+        self._pending, self.unused, self.routes = [], UnusedParams(), {}
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
 

@@ -11,7 +11,7 @@ import re
 
 from .heartbeat import HEARTBEAT
 
-__all__ = ["CollectiveTimeout", "advice", "clean_message", "failure", "timeout_error", "where",
+__all__ = ["CollectiveTimeout", "advice", "clean_message", "failure", "round_failure", "timeout_error", "where",
            "PEER_SETTLE_S"]
 
 
@@ -74,6 +74,16 @@ _PEER_LOSS = ("Connection reset", "Connection closed", "Broken pipe", "Connectio
 #: seconds a failure waits for the heartbeats to tell which peer went silent (only when no
 #: peer on this host is seen dead or stopped at once)
 PEER_SETTLE_S = 2.5
+
+
+def round_failure(what: str, exc: BaseException) -> BaseException:
+    """The error a caller gets when an algorithm failed in its own thread: an intermediate
+    round, or the decode of what a broken round handed back."""
+    if clean_message(exc).startswith("commpress:"):
+        return failure(what, exc)  # our own wording (a timed-out round, a corrupt table)
+    return failure(what, RuntimeError(
+        f"{clean_message(exc)} (when a peer died or disconnected, gloo can hand back garbage "
+        "instead of an error, and decoding it fails like this)"))
 
 
 def timeout_error(what: str, seconds: float) -> CollectiveTimeout:

@@ -186,7 +186,7 @@ LOCK = 9  # the first step of the locked dense plan in _conservation
 
 
 def _conservation(rank, world, alg):
-    from comms.ddp.hook import RESIDUAL_DRAIN_STEPS
+    from comms.core.engine import DRAIN_STEPS as RESIDUAL_DRAIN_STEPS
 
     fake = {"dense": 1.0, alg: 2.0}  # the compressed trial is slower: dense gets locked
     model, state, _ = _ddp("topk:density=0.05", steps_per_trial=2, candidates=[alg],

@@ -119,7 +119,7 @@ def test_garbage_from_a_dead_peer_reports_the_peer_not_the_decode():
 def test_a_round_failing_in_the_hook_thread_is_named():
     # a multi-round algorithm decodes an intermediate round in the hook's thread: garbage from
     # a dead peer raised a bare IndexError out of backward(); now it names the collective
-    from comms.ddp.hook import _round_failure
+    from comms.transport.errors import round_failure as _round_failure
 
     what = "commpress: two_phase collective of bucket 1 (16512 x float32) at step 7 on rank 0 of 3"
     msg = str(_round_failure(what, IndexError("index out of range in self")))
