@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .reduce_scatter import CompressedReduceScatter
-from .replicate import ReplicateAllReduce, ShardReduceScatter
+from .bounded import BoundedReduceScatter, BoundedReplicateAllReduce
+from .replicate import ReplicateAllReduce
 from .params import PARAM_MODES, QuantizedAllGather
 from .state import FSDP_CONFIG_FIELDS, FSDPCompressionState
 from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_pairing, give_back_momentum,
@@ -52,8 +53,8 @@ def _check_module(state: FSDPCompressionState, fqn: str, m, replicate_group) -> 
         raise ValueError(f"FSDP module {name!r} is on a {type(g.mesh_info).__name__} (native 2-D HSDP "
                          "or replicate); shard it with fully_shard(mesh=mesh['shard']) and pass "
                          "replicate_group=mesh.get_group('replicate')")
-    if isinstance(g._reduce_scatter_comm, (CompressedReduceScatter, ShardReduceScatter)) or isinstance(
-            g._all_reduce_hook, ReplicateAllReduce) or isinstance(g._all_gather_comm, QuantizedAllGather):
+    if isinstance(g._reduce_scatter_comm, (CompressedReduceScatter, BoundedReduceScatter)) or isinstance(
+            g._all_reduce_hook, (ReplicateAllReduce, BoundedReplicateAllReduce)) or isinstance(g._all_gather_comm, QuantizedAllGather):
         raise ValueError(f"FSDP module {name!r} already has commpress registered")
     if state.mode == "fsdp" and type(g._reduce_scatter_comm) is not DefaultReduceScatter:
         raise ValueError(f"FSDP module {name!r} already has a custom reduce-scatter "
@@ -87,14 +88,24 @@ def _attach(state, mods, factors, guard, optimizer, adam_freeze) -> None:
 
 
 def _equip(state: FSDPCompressionState, mods) -> None:
-    """Change the (validated) modules: sums everywhere, FSDP divides once afterwards; every
-    collective FSDP issues for them goes through commpress (bounded waits, named errors),
-    except a custom all-gather or shard reduce-scatter of the user's, which is kept."""
+    """Change the (validated) modules; every collective FSDP issues for them goes through
+    commpress (bounded waits, named errors), except a custom all-gather or shard reduce-scatter
+    of the user's, which is kept. The identity compressor with nothing to do locally keeps
+    FSDP's own collectives and arithmetic (bitwise plain FSDP2 / native HSDP)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     for i, (fqn, m) in enumerate(mods):
         g = m._get_fsdp_state()._fsdp_param_groups[0]
-        m.set_force_sum_reduction_for_comms(True)
+        if type(g._all_gather_comm) is DefaultAllGather:
+            m.set_custom_all_gather(QuantizedAllGather(state, i))
+        own_rs = type(g._reduce_scatter_comm) is DefaultReduceScatter
+        if state.native:
+            if own_rs:
+                m.set_custom_reduce_scatter(BoundedReduceScatter(state, i, counts=state.mode == "fsdp"))
+            if state.mode == "hsdp":
+                m.set_all_reduce_hook(BoundedReplicateAllReduce(state, i))
+            continue
+        m.set_force_sum_reduction_for_comms(True)  # sums everywhere; divided once, below
         # a parameter without a gradient stays in the reduce-scatter as zeros: the layout, and
         # so the residual and velocity of the module, survive steps that leave it unused; its
         # gradient is dropped again after backward, as plain FSDP2 leaves it (comms.fsdp.unused)
@@ -102,8 +113,6 @@ def _equip(state: FSDPCompressionState, mods) -> None:
         if not g.reduce_scatter_unused_params:
             m.set_reduce_scatter_unused_params(True, recurse=False)
             state.unused.track(state, i, g)
-        if type(g._all_gather_comm) is DefaultAllGather:
-            m.set_custom_all_gather(QuantizedAllGather(state, i))
         if state.mode == "fsdp":
             # the reduce-scatter divides itself (FSDP's divide would read the output at once),
             # so its exchange may overlap the rest of backward
@@ -111,8 +120,8 @@ def _equip(state: FSDPCompressionState, mods) -> None:
             m.set_custom_reduce_scatter(CompressedReduceScatter(state, i, module=m))
         else:
             m.set_gradient_divide_factor(state.divide_factors[i])
-            if type(g._reduce_scatter_comm) is DefaultReduceScatter:
-                m.set_custom_reduce_scatter(ShardReduceScatter(state, i))
+            if own_rs:
+                m.set_custom_reduce_scatter(BoundedReduceScatter(state, i))
             m.set_all_reduce_hook(ReplicateAllReduce(state, i))
 
 

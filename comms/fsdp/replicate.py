@@ -1,8 +1,8 @@
 """HSDP mode: shard within a node, replicate across nodes.
 
 The model is 1-D ``fully_shard`` over the *shard* group. FSDP's own full-precision
-reduce-scatter runs inside the shard group (fast links) — :class:`ShardReduceScatter` issues
-exactly FSDP's collective, with commpress's bounded wait — and the module's output shard then
+reduce-scatter runs inside the shard group (fast links) — :class:`~comms.fsdp.bounded.BoundedReduceScatter`
+issues exactly FSDP's collective, with commpress's bounded wait — and the module's output shard then
 goes through :func:`comms.core.engine.run` across the replicate group in
 :class:`ReplicateAllReduce` (FSDP's ``set_all_reduce_hook``) with :class:`HSDPSink`: a flat
 algorithm (``allreduce``, ``allgather``, ``two_phase``) or the plain all-reduce, the non-finite
@@ -13,25 +13,15 @@ summed in place (FSDP divides afterwards).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..algorithms import get_algorithm
 from ..algorithms.dense import dense_allreduce
 from ..core.engine import Sink
 from ..core.stages import local_flagged
-from ..transport.errors import clean_message, failure
-from ..transport.waits import BoundedWork, wait, wait_work
+from ..transport.waits import wait
 from .module_step import ModuleStep
 
-try:  # a private path of torch 2.11-2.13: ``import comms`` must not fail where it moved
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-except ImportError:  # pragma: no cover - FSDP duck-types the comm
-    ReduceScatter = object
-
-__all__ = ["ReplicateAllReduce", "ShardReduceScatter", "HSDPSink"]
-
-# torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+__all__ = ["ReplicateAllReduce", "HSDPSink"]
 
 
 class HSDPSink(Sink):
@@ -103,37 +93,3 @@ class ReplicateAllReduce(ModuleStep):
         if shield is not None:
             shield.restore_memory()
             shield.zero_(x)
-
-
-class ShardReduceScatter(ReduceScatter):
-    """HSDP mode: the reduce-scatter inside the shard group — FSDP's own collective, the same
-    call and the same bits — with commpress's bounded wait: a stopped or dead partner makes
-    this rank raise within the timeout, naming the module, step and peer, instead of waiting
-    in gloo past the process group's timeout while the other survivors have raised.
-
-    Example::
-
-        >>> module.set_custom_reduce_scatter(ShardReduceScatter(state, index=0))
-    """
-
-    def __init__(self, state, index: int):
-        self.state, self.index = state, index
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        st, idx = self.state, self.index
-        comm = st.comm_for(group)
-        what = st.where(comm, "HSDP shard reduce-scatter", idx, input_tensor.numel(), input_tensor.dtype,
-                        st.steps.get(idx, 0))
-        try:
-            work = _reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=True)
-            if async_op:
-                return BoundedWork(work, comm.timeout, what)
-            wait_work(work, comm.timeout, what)
-        except RuntimeError as exc:
-            if clean_message(exc).startswith("commpress:"):
-                raise
-            raise failure(what, exc) from None
-        return None

@@ -142,6 +142,15 @@ class FSDPCompressionState(GradientState):
             c.timeout = self.timeout  # the user's bound wins over the group's
         return c
 
+    @property
+    def native(self) -> bool:
+        """The identity compressor under ``algorithm="auto"`` with nothing to do locally (no
+        momentum, clipping, error feedback): FSDP's own collectives and arithmetic carry the
+        gradients, bounded (:mod:`comms.fsdp.bounded`) — bitwise plain FSDP2 / native HSDP at
+        any world size. A pinned algorithm runs the engine's path."""
+        return (self.compressor.name == "identity" and self.algorithm == "auto" and not self.local_transform
+                and not self.error_feedback and self.residual_bound is None)
+
     def where(self, comm, what: str, index: int, numel: int, dtype, step: int) -> str:
         """The name of one module call in errors: collective, module, step, rank."""
         return where(comm, what, index, numel, dtype, step,

@@ -93,6 +93,28 @@ def identity_vs_plain(rank, world):
     return fsdp_run(rank, world, None), fsdp_run(rank, world, "identity")
 
 
+def identity_defaults_vs_plain(rank, world, n_steps):
+    """``register(model, "identity")`` with every default against plain FSDP2 (1-D mesh), or
+    with a replicate group against torch's native HSDP (2 x world/2 mesh at 4 ranks)."""
+    hsdp = world == 4
+    out = []
+    for plain in (True, False):
+        if hsdp:
+            mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            mesh, rg = (mesh2 if plain else mesh2["shard"]), mesh2.get_group("replicate")
+        else:
+            mesh, rg = init_device_mesh("cpu", (world,)), None
+        torch.manual_seed(0)
+        model = shard_model(make_model(), mesh)
+        if not plain:
+            comms.fsdp.register(model, "identity", replicate_group=rg)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        steps(model, opt, rank, 0, n_steps, losses)
+        out.append({"local": local_shards(model), "losses": losses})
+    return out
+
+
 def compressed_runs(rank, world, specs):
     return {s: (fsdp_run(rank, world, s), fsdp_run(rank, world, s)) for s in specs}
 

@@ -20,6 +20,16 @@ def test_identity_is_bitwise_plain_fsdp2_after_20_steps():
     assert torch.equal(res[0][0]["full"], res[1][0]["full"])  # full_tensor agrees across ranks
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [3, 4], ids=["fsdp-3-ranks", "hsdp-2x2"])
+def test_identity_with_defaults_is_bitwise_plain_fsdp2_and_native_hsdp_after_100_steps(world):
+    # 3 ranks: a sum of three is not commutative in floating point, so only the same
+    # collective in the same order gives the same bits; 4 ranks: HSDP 2 replicas x 2 shards
+    for plain, ident in spawn(F.identity_defaults_vs_plain, world, 100, timeout=360):
+        assert torch.equal(plain["local"], ident["local"])
+        assert plain["losses"] == ident["losses"]
+
+
 def test_compressed_runs_deterministic_with_stated_residual_memory():
     res = spawn(F.compressed_runs, 2, F.SPECS, timeout=900)
     padded_numel = (64 * 32 + 64) + (64 * 64 + 64) + (10 * 64 + 10)  # no padding at 2 shards
