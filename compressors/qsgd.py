@@ -77,7 +77,8 @@ class QSGD(ScaledCodesDecoder):
     unbiased = True
 
     example_configs = ({"bits": 8}, {"bits": 4}, {"bits": 2})
-    edge_configs = ({"bits": 1}, {"bits": 4, "chunk": 7})  # the fewest bits; a chunk that does not divide the block
+    # the fewest bits; a chunk that does not divide the block
+    edge_configs = ({"bits": 1}, {"bits": 4, "chunk": 7})
 
     def __init__(self, bits: int = 8, chunk: int | None = None, align: str = "tensor"):
         self.bits = check_bits(bits)

@@ -87,7 +87,8 @@ class RandomK(Compressor):
     default_warmup_steps = 0
 
     example_configs = ({"density": 0.1},)
-    edge_configs = ({"density": 0.01, "seed": 2}, {"density": 1.0})  # lossless at density 1; another index stream
+    # another index stream; lossless at density 1
+    edge_configs = ({"density": 0.01, "seed": 2}, {"density": 1.0})
 
     def __init__(self, density: float = 0.01, seed: int = 0):
         self.density = check_density(density)

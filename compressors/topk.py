@@ -56,8 +56,9 @@ class TopK(Compressor):
     default_warmup_steps = 5
 
     example_configs = ({"density": 0.05},)
-    # lossless at density 1; the sampled threshold
-    edge_configs = ({"density": 0.01}, {"density": 0.05, "exact": False, "sample": 0.02}, {"density": 1.0})
+    # the sampled threshold; lossless at density 1
+    edge_configs = ({"density": 0.01}, {"density": 0.05, "exact": False, "sample": 0.02},
+                    {"density": 1.0})
 
     def __init__(self, density: float = 0.01, exact: bool = True, sample: float = 0.01):
         self.density = check_density(density)
