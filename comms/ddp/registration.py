@@ -57,11 +57,9 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
             backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
             first differing parameter. ``None``/0: off.
-        optimizer: the training optimizer (recommended). SGD momentum is taken over as the
-            hook's momentum correction (:func:`take_over_momentum`; the optimizer's set to 0),
-            unless the compressor's ``momentum_correction`` is False (PowerSGD). With
-            ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
-            Adam/AdamW with top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
+        optimizer: the training optimizer (recommended; :mod:`comms.core.pairing`): SGD momentum
+            is taken over as the hook's momentum correction (PowerSGD's stays); Adam/AdamW with
+            top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
         adam_freeze: with such an Adam optimizer: ``"auto"`` (the default: the variance
             freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
             gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,

@@ -31,6 +31,7 @@ from ..transport.communicator import Communicator, TorchCommunicator
 from ..core.config_check import ConfigCheck
 from .layouts import LayoutTracker
 from ..core.gradient_state import GradientState
+from ..tuning.router import FixedRouter, PlannerRouter
 from ..core.options import PipelineOptions
 from ..core.stats import BucketStats, stats_rows
 from .step_flags import StepFlags
@@ -125,13 +126,12 @@ class CompressionState(GradientState):
     """
 
     __slots__ = (
-        "process_group", "communicator", "iter", "algorithm", "planner", "min_compress_numel",
+        "process_group", "communicator", "iter", "algorithm", "planner", "router", "min_compress_numel",
         "dense_calls", "layout_tracker", "param_names", "config_check", "flags", "_warned_nonfinite",
         "__weakref__",
     )
 
-    _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
-                  "adam", "routes", "__weakref__")
+    _TRANSIENT = GradientState._TRANSIENT + ("process_group", "communicator", "config_check", "flags")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, start_iter: int = 2,
@@ -145,6 +145,7 @@ class CompressionState(GradientState):
         check_group(process_group, communicator)
         self.algorithm, self.planner = resolve_algorithm(self.compressor, algorithm, autotune,
                                                          autotune_steps)
+        self.router = PlannerRouter(self.planner) if self.algorithm == "auto" else FixedRouter(self.algorithm)
         self.process_group = process_group
         self.communicator = communicator
         self.iter = 0
@@ -155,9 +156,16 @@ class CompressionState(GradientState):
         self.layout_tracker = LayoutTracker()
         self.param_names: dict[int, str] = {}  # data_ptr -> name, filled by bind()
         self._warned_nonfinite = False
-        self._reset_transient()
+        self._new_helpers()
 
     def _reset_transient(self) -> None:
+        """Unpickled (like torch's PowerSGDState, without its process group)."""
+        super()._reset_transient()
+        self.process_group = self.communicator = None
+        self._new_helpers()
+        logger.warning("CompressionState unpickled without a process group: the default group is used")
+
+    def _new_helpers(self) -> None:
         self.config_check = ConfigCheck(CONFIG_FIELDS)  # layouts whose config passed the check
         self.flags = StepFlags()  # this step's buckets awaiting the non-finite flag allreduce
 
@@ -193,10 +201,6 @@ class CompressionState(GradientState):
                 str(dtype), self.momentum, self.momentum_masking, self.clip_norm,
                 self.residual_bound, self.warmup_steps)
 
-    def config_hash(self, bucket_index: int, numel: int, dtype: torch.dtype, step: int) -> list[int]:
-        """One process-independent int64 per config field."""
-        return [hash64(v) for v in self.config_values(bucket_index, numel, dtype, step)]
-
     # -- parameters and layouts --------------------------------------------------------
     def bind(self, model: torch.nn.Module) -> "CompressionState":
         """Name the model's parameters so bucket layouts survive a restart (``register`` calls it)."""
@@ -228,19 +232,7 @@ class CompressionState(GradientState):
         """How many (bucket, step) reductions were non-finite and NaN-filled."""
         return self.nonfinite_calls
 
-    def reset_bucket(self, bucket: int) -> None:
-        """Forget a bucket's residual, velocity and algorithm store (layout change, non-finite
-        values)."""
-        self.memory.reset(bucket)
-        self.algo_store.pop(bucket, None)
-
     # -- reporting -----------------------------------------------------------------------
-    def wire_bytes_per_step(self) -> int:
-        return sum(s.wire_bytes for s in self.stats.values())
-
-    def dense_bytes_per_step(self) -> int:
-        return sum(s.dense_bytes for s in self.stats.values())
-
     def report(self) -> str:
         """A table of the per-bucket statistics (bytes sent per rank per step)."""
         rows = stats_rows(self.stats, "bucket", str)
@@ -310,20 +302,4 @@ class CompressionState(GradientState):
         self._nonfinite = int(sd.get("nonfinite_buckets", 0))
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
-        self._reset_transient()
-
-    def __getstate__(self):
-        # like torch's PowerSGDState: process groups and communicators do not pickle
-        slots = GradientState.__slots__ + self.__slots__
-        return {k: getattr(self, k) for k in slots if k not in self._TRANSIENT}
-
-    def __setstate__(self, st):
-        self.process_group = None
-        self.communicator = None
-        self.replica_guard = None
-        self.adam = None
-        self.routes = {}
-        self._reset_transient()
-        for k, v in st.items():
-            setattr(self, k, v)
-        logger.warning("CompressionState unpickled without a process group: the default group is used")
+        self._new_helpers()

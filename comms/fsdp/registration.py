@@ -39,6 +39,15 @@ def _is_fsdp1(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
+def _check_model(model) -> None:
+    """Raise naming a model commpress's FSDP support cannot equip at all."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"register() needs an nn.Module, got {type(model).__name__}")
+    if _is_fsdp1(model):
+        raise TypeError("commpress FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard); this model "
+                        "holds an FSDP1 FullyShardedDataParallel: apply fully_shard (FSDP2) instead")
+
+
 def _check_module(state: FSDPCompressionState, fqn: str, m, replicate_group) -> float:
     """Raise naming a module commpress cannot equip; return its post-sum divide factor."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -119,10 +128,16 @@ def _equip(state: FSDPCompressionState, mods) -> None:
             m.set_gradient_divide_factor(1.0)
             m.set_custom_reduce_scatter(CompressedReduceScatter(state, i, module=m))
         else:
-            m.set_gradient_divide_factor(state.divide_factors[i])
             if own_rs:
                 m.set_custom_reduce_scatter(BoundedReduceScatter(state, i))
-            m.set_all_reduce_hook(ReplicateAllReduce(state, i))
+            if g.mesh_info.shard_mesh_size > 1:
+                m.set_gradient_divide_factor(state.divide_factors[i])
+                m.set_all_reduce_hook(ReplicateAllReduce(state, i))
+            else:
+                # one rank per shard group: FSDP would divide twice (its single-rank path divides
+                # the copy by the factor and divides again after the hook), so the hook divides
+                m.set_gradient_divide_factor(1.0)
+                m.set_all_reduce_hook(ReplicateAllReduce(state, i, divide=state.divide_factors[i]))
 
 
 def register(model: torch.nn.Module, compressor, *, replicate_group=None, algorithm: str | None = None,
@@ -132,32 +147,22 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
     Call after ``fully_shard`` and before the first backward, on every rank with the same
-    arguments; everything is validated before anything changes. Returns the state.
+    arguments; everything is validated before anything changes.
 
     Args:
         model: the root module, after ``fully_shard`` was applied to it and/or its children.
         compressor: a :class:`compressors.Compressor` or a spec (``"topk:density=0.01"``).
-        replicate_group: ``None``: FSDP mode (compressed reduce-scatter). A
-            ``ProcessGroup``: HSDP mode — ``model`` must be 1-D ``fully_shard`` over the
-            shard group, and the gradient shards are all-reduced, compressed, across this
-            group (see the module docstring).
+        replicate_group: ``None``: FSDP mode. A ``ProcessGroup``: HSDP mode — ``model`` is 1-D
+            ``fully_shard`` over the shard group; the shards are all-reduced across this group.
         algorithm: ``"auto"`` (``None``, the default): per module, dense or compressed by
-            measured calls. Compressed on every call: ``"scatter_reduce"`` (FSDP) or
+            measured calls; compressed on every call: ``"scatter_reduce"`` (FSDP) or
             ``"allreduce"``, ``"allgather"``, ``"two_phase"`` (HSDP).
-        params: the parameter all-gather (:mod:`comms.fsdp.params`; the fp32 shards the
-            optimizer updates are untouched): ``"int8"`` / ``"int4"`` — block-quantized
-            (256 elements per fp32 scale), every rank decodes the same bytes; ``"full"`` —
-            FSDP's own; ``"auto"`` (``None``, the default) — FSDP mode with a lossy
-            compressor: full or int8 per module by measured calls (int8 on every call with
-            a pinned ``algorithm``); HSDP or ``"identity"``: full.
-        optimizer: paired as :func:`comms.register` does (SGD momentum taken over; Adam(W)
-            with top-k/random-k in momentum space, a velocity per rank from 0 at the freeze).
-        adam_freeze: as in :func:`comms.register`.
+        params: the parameter all-gather (:mod:`comms.fsdp.params`): ``"auto"`` (default),
+            ``"full"``, ``"int8"``, ``"int4"``.
+        optimizer, adam_freeze: paired as :func:`comms.register` does (:mod:`comms.core.pairing`).
         check_replicas_every: ``N`` > 0 compares parameters every ``N`` steps (HSDP: the
             replicas' shards; FSDP: the gathered parameters); ``None``/0: off.
-        **options: :class:`~comms.core.options.PipelineOptions` (``error_feedback``, ``seed``,
-            ``start_iter`` — default 0 —, ``timeout``, ``momentum``, ``momentum_masking``,
-            ``clip_norm``, ``residual_bound``, ``warmup_steps``).
+        **options: :class:`~comms.core.options.PipelineOptions` (``start_iter`` default 0).
 
     Raises:
         TypeError: an FSDP1 model, no FSDP2 module, a bad option type.
@@ -170,11 +175,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
         >>> state = comms.fsdp.register(model, "qsgd:bits=4",                   # HSDP
         ...                             replicate_group=mesh.get_group("replicate"))
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"register() needs an nn.Module, got {type(model).__name__}")
-    if _is_fsdp1(model):
-        raise TypeError("commpress FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard); this model "
-                        "holds an FSDP1 FullyShardedDataParallel: apply fully_shard (FSDP2) instead")
+    _check_model(model)
     guard = replica_guard(model, check_replicas_every, gathered=replicate_group is None)
     probe = FSDPCompressionState(compressor, replicate_group=replicate_group, algorithm=algorithm,
                                  params=params, **options)  # every option validated first
