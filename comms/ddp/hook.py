@@ -228,6 +228,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     last = bucket.is_last()
     if last:
         state.iter += 1
+    if state.outer is not None:  # communicate every H steps: this rank's own gradient, unaveraged
+        return completed(buf)
     comm = _begin_bucket(state, bucket, buf, index, step)
     if comm.world_size == 1 or buf.numel() == 0:
         mbar = _shared_momentum(state, bucket, step)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from compressors import Compressor
 
-from ..algorithms import ALGORITHMS, get_algorithm
+from ..algorithms import ALGORITHMS, default_algorithm, get_algorithm
 from ..core.checkpoint import hash64, plain, to_device
 from ..transport.communicator import Communicator, TorchCommunicator
 from ..core.config_check import ConfigCheck
@@ -39,8 +39,6 @@ from .step_flags import StepFlags
 __all__ = ["CompressionState", "BucketStats", "CONFIG_FIELDS"]
 
 logger = logging.getLogger(__name__)
-
-_PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
@@ -67,10 +65,7 @@ def resolve_algorithm(compressor, algorithm, autotune, autotune_steps):
     if algorithm is not None and not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a str or None, got {algorithm!r}")
     if algorithm is None:
-        algorithm = next((a for a in _PREFERENCE if compressor.supports(a) and a in ALGORITHMS), None)
-        if algorithm is None:
-            raise ValueError(f"compressor {compressor.spec()!r} supports none of the "
-                             f"available algorithms {sorted(ALGORITHMS)}")
+        algorithm = default_algorithm(compressor)
     planner = None
     alg = None if algorithm == "auto" else get_algorithm(algorithm)  # ValueError if unknown
     if alg is None or alg.hierarchical:
@@ -127,7 +122,7 @@ class CompressionState(GradientState):
 
     __slots__ = (
         "process_group", "communicator", "iter", "algorithm", "planner", "router", "min_compress_numel",
-        "dense_calls", "layout_tracker", "param_names", "config_check", "flags", "_warned_nonfinite",
+        "dense_calls", "layout_tracker", "param_names", "config_check", "flags", "_warned_nonfinite", "outer",
         "__weakref__",
     )
 
@@ -156,6 +151,7 @@ class CompressionState(GradientState):
         self.layout_tracker = LayoutTracker()
         self.param_names: dict[int, str] = {}  # data_ptr -> name, filled by bind()
         self._warned_nonfinite = False
+        self.outer = None  # comms.outer.OuterSync with register(..., sync_every=H)
         self._new_helpers()
 
     def _reset_transient(self) -> None:
@@ -273,6 +269,7 @@ class CompressionState(GradientState):
             # Adam's momentum space: when the variance froze (the momentum itself is the
             # optimizer's exp_avg, in the optimizer's state_dict)
             "adam": None if self.adam is None else self.adam.state_dict(),
+            "outer": None if self.outer is None else self.outer.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
@@ -287,6 +284,11 @@ class CompressionState(GradientState):
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
                             f"{type(sd).__name__}")
         self.options.check_saved(sd, int(sd["iter"]))
+        if (self.outer is None) != (sd.get("outer") is None):
+            raise ValueError("state was saved " + ("with" if sd.get("outer") is not None else "without")
+                             + " sync_every, this run " + ("uses it" if self.outer is not None else "does not"))
+        if self.outer is not None:
+            self.outer.load_state_dict(sd["outer"])  # validates before changing anything
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this run uses {self.algorithm!r}")
