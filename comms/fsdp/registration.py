@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .reduce_scatter import CompressedReduceScatter
+from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
 from .bounded import BoundedReduceScatter, BoundedReplicateAllReduce
 from .replicate import ReplicateAllReduce
 from .params import PARAM_MODES, QuantizedAllGather
@@ -108,10 +109,11 @@ def _equip(state: FSDPCompressionState, mods) -> None:
         if type(g._all_gather_comm) is DefaultAllGather:
             m.set_custom_all_gather(QuantizedAllGather(state, i))
         own_rs = type(g._reduce_scatter_comm) is DefaultReduceScatter
-        if state.native:
-            if own_rs:
-                m.set_custom_reduce_scatter(BoundedReduceScatter(state, i, counts=state.mode == "fsdp"))
-            if state.mode == "hsdp":
+        if state.native or state.outer is not None:
+            if own_rs:  # the outer sync: each replica's shard group averages its own gradients
+                m.set_custom_reduce_scatter(BoundedReduceScatter(state, i, counts=state.mode == "fsdp"
+                                                                 or state.outer is not None))
+            if state.mode == "hsdp" and state.outer is None:
                 m.set_all_reduce_hook(BoundedReplicateAllReduce(state, i))
             continue
         m.set_force_sum_reduction_for_comms(True)  # sums everywhere; divided once, below
@@ -138,6 +140,28 @@ def _equip(state: FSDPCompressionState, mods) -> None:
                 # the copy by the factor and divides again after the hook), so the hook divides
                 m.set_gradient_divide_factor(1.0)
                 m.set_all_reduce_hook(ReplicateAllReduce(state, i, divide=state.divide_factors[i]))
+
+
+def _register_outer(model, compressor, replicate_group, optimizer, adam_freeze, sync, check_every,
+                    options) -> FSDPCompressionState:
+    """HSDP with ``sync_every=H``: FSDP's own reduce-scatter inside each shard group every step
+    (bounded), no replicate all-reduce; the local shards are synced across the replicate group
+    every ``H`` steps by the outer sync (:mod:`comms.outer`)."""
+    if replicate_group is None:
+        raise ValueError("sync_every syncs replicas: it needs HSDP (pass replicate_group); FSDP2's "
+                         "shards have no replica to sync with")
+    check_outer_pairing(optimizer, adam_freeze, options, ADAM_FREEZE_DEFAULT)
+    kw = {k: v for k, v in options.items() if k not in ("algorithm", "params")}
+    state = FSDPCompressionState(compressor, replicate_group=replicate_group, params=options.get("params"),
+                                 algorithm=options.get("algorithm"), **kw)  # every option validated
+    mods, factors = _checked_modules(model, state, replicate_group)
+    state.modules, state.divide_factors = [fqn for fqn, _ in mods], factors
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if p.requires_grad]
+    state.outer = attach_outer(params, state.comm_for(replicate_group), state.compressor, optimizer, sync,
+                               check_every, options)
+    _equip(state, mods)
+    model._commpress_fsdp_state = state
+    return state
 
 
 def register(model: torch.nn.Module, compressor, *, replicate_group=None, algorithm: str | None = None,
@@ -176,6 +200,10 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
         ...                             replicate_group=mesh.get_group("replicate"))
     """
     _check_model(model)
+    sync = take_sync_options(options)
+    if sync is not None:  # HSDP, communicating every H steps across the replicas
+        return _register_outer(model, compressor, replicate_group, optimizer, adam_freeze, sync,
+                               check_replicas_every, dict(options, algorithm=algorithm, params=params))
     guard = replica_guard(model, check_replicas_every, gathered=replicate_group is None)
     probe = FSDPCompressionState(compressor, replicate_group=replicate_group, algorithm=algorithm,
                                  params=params, **options)  # every option validated first

@@ -127,6 +127,7 @@ class FSDPCompressionState(GradientState):
         self.modules: list[str] = []             # module index -> fqn
         self.divide_factors: list[float] = []    # module index -> FSDP's post-sum divide factor
         self.tuner = ModuleTuner() if self.algorithm == "auto" else None
+        self.outer = None  # comms.outer.OuterSync with register(..., sync_every=H)
         compressed = SCATTER_REDUCE if self.mode == "fsdp" else self.flat_algorithm()
         self.router = FixedRouter(compressed) if self.tuner is None else ModuleRouter(self.tuner, compressed)
         self._new_helpers()
@@ -239,6 +240,7 @@ class FSDPCompressionState(GradientState):
             "gather_tuner": None if self.gather_tuner is None else self.gather_tuner.state_dict(),
             "gather_calls": {int(i): int(r.calls) for i, r in self.gather_stats.items()},
             "adam": None if self.adam is None else self.adam.state_dict(),
+            "outer": None if self.outer is None else self.outer.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
@@ -256,6 +258,11 @@ class FSDPCompressionState(GradientState):
                           ("error_feedback", self.error_feedback), ("modules", list(self.modules))):
             if sd.get(key) != mine:
                 raise ValueError(f"state was saved with {key}={sd.get(key)!r}, this model uses {mine!r}")
+        if (self.outer is None) != (sd.get("outer") is None):
+            raise ValueError("state was saved " + ("with" if sd.get("outer") is not None else "without")
+                             + " sync_every, this run " + ("uses it" if self.outer is not None else "does not"))
+        if self.outer is not None:
+            self.outer.load_state_dict(sd["outer"])  # validates before changing anything
         self.seed = int(sd["seed"])
         self.steps = {int(i): int(s) for i, s in sd["steps"].items()}
         self.memory.load_state_dict(sd["memory"], device=device)
