@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_pairing, give_back_momentum,
                             pair_optimizer, replica_guard)
+from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
 from .hook import compression_hook
 from .state import CompressionState
 
@@ -57,11 +58,9 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
             backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
             first differing parameter. ``None``/0: off.
-        optimizer: the training optimizer (recommended). SGD momentum is taken over as the
-            hook's momentum correction (:func:`take_over_momentum`; the optimizer's set to 0),
-            unless the compressor's ``momentum_correction`` is False (PowerSGD). With
-            ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
-            Adam/AdamW with top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
+        optimizer: the training optimizer (recommended; :mod:`comms.core.pairing`): SGD momentum
+            is taken over as the hook's momentum correction (PowerSGD's stays); Adam/AdamW with
+            top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
         adam_freeze: with such an Adam optimizer: ``"auto"`` (the default: the variance
             freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
             gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,
@@ -88,6 +87,9 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
+    sync = take_sync_options(kwargs)
+    if sync is not None:  # communicate every H steps: the gradients stay local in between
+        return _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_replicas_every, kwargs)
     guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
     state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs,
                                   check=lambda probe: check_pairing(probe, optimizer, adam_freeze,
@@ -103,6 +105,26 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             state.adam.remove()
         raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
                          f"{exc}") from exc
+    ddp_model._commpress_state = state
+    return state
+
+
+def _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_every, kwargs) -> CompressionState:
+    """``register(..., sync_every=H)``: the hook keeps each rank's gradients local; the outer
+    sync (:mod:`comms.outer`) runs after the optimizer's steps."""
+    check_outer_pairing(optimizer, adam_freeze, kwargs, ADAM_FREEZE_DEFAULT)
+    if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                    or check_every < 0):
+        raise ValueError(f"check_replicas_every must be an int >= 0 or None, got {check_every!r}")
+    state = make_hook(compressor, **kwargs)[0]  # validates every option first
+    params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+    state.outer = attach_outer(params, state.comm(), state.compressor, optimizer, sync, check_every, kwargs)
+    state.bind(ddp_model)
+    try:
+        ddp_model.register_comm_hook(state, compression_hook)
+    except RuntimeError as exc:  # DDP refuses a second hook of any kind
+        state.outer.hook_handle.remove()
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
     ddp_model._commpress_state = state
     return state
 
