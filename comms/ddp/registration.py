@@ -87,7 +87,7 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
-    sync = take_sync_options(kwargs)
+    sync, auto_outer = take_sync_options(kwargs)
     if sync is not None:  # communicate every H steps: the gradients stay local in between
         return _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_replicas_every, kwargs)
     guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
@@ -97,6 +97,10 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
     state.bind(ddp_model)
     state.replica_guard = guard
     state.adam = adam_pairing(state, optimizer, adam_freeze)  # ValueError before anything changes
+    params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+    state.numel = sum(p.numel() for p in params)
+    if auto_outer and state.algorithm == "auto" and optimizer is not None:
+        state.auto_outer = (optimizer, params, check_replicas_every, taken)
     try:
         ddp_model.register_comm_hook(state, compression_hook)
     except RuntimeError as exc:  # DDP refuses a second hook of any kind

@@ -200,7 +200,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
         ...                             replicate_group=mesh.get_group("replicate"))
     """
     _check_model(model)
-    sync = take_sync_options(options)
+    sync, _auto = take_sync_options(options)  # auto's outer sync: DDP only
     if sync is not None:  # HSDP, communicating every H steps across the replicas
         return _register_outer(model, compressor, replicate_group, optimizer, adam_freeze, sync,
                                check_replicas_every, dict(options, algorithm=algorithm, params=params))

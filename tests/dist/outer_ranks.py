@@ -69,7 +69,7 @@ def bad_options(rank, world):
     """Every bad outer-sync option raises before anything changes (no hook, no step hook)."""
     errs = {}
     cases = {
-        "every0": dict(sync_every=0), "delay": dict(sync_every=4, sync_delay=4),
+        "every0": dict(sync_every=-1), "delay": dict(sync_every=4, sync_delay=4),
         "fragments": dict(sync_every=2, sync_fragments=3), "outer": dict(sync_every=4, outer="adam"),
         "sparseloco_qsgd": dict(sync_every=4, outer="sparseloco", spec="qsgd:bits=4"),
         "lr": dict(sync_every=4, outer_lr=-1.0), "no_every": dict(sync_delay=2),
@@ -145,3 +145,34 @@ def hsdp_synced_at_every_sync(rank, world, spec, n_steps, kw):
         steps(model, opt, rank, s, s + 1)
         seen.append([param_fingerprint(a).tolist() for a in state.outer.anchors])
     return {"seen": seen, "shard": mesh["shard"].get_local_rank(), "syncs": list(state.outer.syncs)}
+
+
+def auto_switch(rank, world, n_steps):
+    """``algorithm="auto"`` with the outer sync's choice forced (loopback is fast: the real
+    rule keeps compressing): the switch at a step boundary after the lock gives SGD's momentum
+    back, keeps the synced parameters equal, and says so in one WARNING line."""
+    import logging
+
+    import comms.ddp.outer_switch as switch
+
+    lines = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("comms").addHandler(Grab(level=logging.WARNING))
+    switch.choose_outer = lambda planner, c, n, dt: (
+        {"sync_every": 4, "sync_fragments": 2, "sync_delay": 1, "algorithm": "allgather"}, "forced by the test")
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = comms.register(model, "qsgd:bits=4", optimizer=opt)
+    state.planner.tuner.max_steps = 8
+    taken = opt.param_groups[0]["momentum"]
+    _train(model, opt, rank, 0, n_steps)
+    outer = state.outer
+    return {"taken": taken, "momentum": opt.param_groups[0]["momentum"], "switched": outer is not None,
+            "syncs": None if outer is None else list(outer.syncs),
+            "anchors": None if outer is None else [param_fingerprint(a).tolist() for a in outer.anchors],
+            "lines": [m for m in lines if "communicates every" in m]}

@@ -36,7 +36,7 @@ def test_resume_mid_period_is_bitwise(tmp_path):
 
 def test_bad_options_raise_before_anything_changes():
     e = spawn(R.bad_options, 1, timeout=120)[0]
-    assert "sync_every must be an int >= 1" in e["every0"]
+    assert "sync_every must be an int >= 1" in e["every0"] and "-1" in e["every0"]
     assert "sync_delay must be < sync_every" in e["delay"]
     assert "sync_fragments must be <= sync_every" in e["fragments"]
     assert "outer must be one of" in e["outer"] and "'adam'" in e["outer"]
@@ -78,3 +78,13 @@ def test_hsdp_synced_shards_bitwise_at_every_sync_over_500_steps():
         by_shard.setdefault(r["shard"], []).append(r)
     for a, b in by_shard.values():  # the two replicas of each shard
         assert a["seen"] == b["seen"] and min(a["syncs"]) >= 500 // 8 - 1
+
+
+@pytest.mark.timeout(300)
+def test_auto_switches_to_the_outer_sync_at_a_step_boundary():
+    res = spawn(R.auto_switch, 2, 60, timeout=240)
+    for r in res:
+        assert r["taken"] == 0.0 and r["momentum"] == 0.9  # SGD's momentum back with the optimizer
+        assert r["switched"] and min(r["syncs"]) >= 5, r
+        assert len(r["lines"]) == 1 and "forced by the test" in r["lines"][0], r["lines"]
+    assert res[0]["anchors"] == res[1]["anchors"]
