@@ -171,13 +171,13 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
     Call after ``fully_shard`` and before the first backward, on every rank with the same
-    arguments; everything is validated before anything changes.
+    arguments; everything is validated first. HSDP ``sync_every=H``: :mod:`comms.outer`.
 
     Args:
         model: the root module, after ``fully_shard`` was applied to it and/or its children.
         compressor: a :class:`compressors.Compressor` or a spec (``"topk:density=0.01"``).
         replicate_group: ``None``: FSDP mode. A ``ProcessGroup``: HSDP mode — ``model`` is 1-D
-            ``fully_shard`` over the shard group; the shards are all-reduced across this group.
+            ``fully_shard`` over the shard group; the shards are reduced across this group.
         algorithm: ``"auto"`` (``None``, the default): per module, dense or compressed by
             measured calls; compressed on every call: ``"scatter_reduce"`` (FSDP) or
             ``"allreduce"``, ``"allgather"``, ``"two_phase"`` (HSDP).
