@@ -67,9 +67,8 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
-        ValueError: bad compressor spec or options, an optimizer that holds none of the
-            model's trainable parameters, an ``adam_freeze`` that does not apply, or the
-            model already has a hook (before any communication; nothing is registered).
+        ValueError: a bad spec or option, an optimizer of another model, an ``adam_freeze`` that
+            does not apply, a model with a hook already (nothing is registered).
 
     Example::
 

@@ -181,8 +181,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
         algorithm: ``"auto"`` (``None``, the default): per module, dense or compressed by
             measured calls; compressed on every call: ``"scatter_reduce"`` (FSDP) or
             ``"allreduce"``, ``"allgather"``, ``"two_phase"`` (HSDP).
-        params: the parameter all-gather (:mod:`comms.fsdp.params`): ``"auto"`` (default),
-            ``"full"``, ``"int8"``, ``"int4"``.
+        params: the parameter all-gather (:mod:`comms.fsdp.params`): ``"auto"``, ``"full"``, ``"int8"``, ``"int4"``.
         optimizer, adam_freeze: paired as :func:`comms.register` does (:mod:`comms.core.pairing`).
         check_replicas_every: ``N`` > 0 compares parameters every ``N`` steps (HSDP: the
             replicas' shards; FSDP: the gathered parameters); ``None``/0: off.
@@ -191,7 +190,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     Raises:
         TypeError: an FSDP1 model, no FSDP2 module, a bad option type.
         ValueError: an unsupported compressor or option; a module with several parameter
-            groups, on native 2-D HSDP, or with a commpress or custom comm hook already.
+            groups, on native 2-D HSDP, or with a commpress or custom hook already.
 
     Example::
 
