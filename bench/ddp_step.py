@@ -567,7 +567,9 @@ def main(argv: list[str] | None = None):
     if args.list:
         configs, skipped = hooks.hook_configs()
         for c in configs:
-            print(f"{c.name:32} {c.kind:15} {c.spec or ''} {c.algorithm or ('auto' if c.default else '')}")
+            alg = c.algorithm or ("auto" if c.default or c.sync else "")
+            sync = ",".join(f"{k}={v}" for k, v in c.sync)
+            print(f"{c.name:32} {c.kind:15} {c.spec or ''} {alg} {sync}".rstrip())
         for what, why in skipped:
             print(f"# skipped {what}: {why}")
         return None
