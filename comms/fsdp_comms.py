@@ -70,8 +70,11 @@ class _ModuleStep:
         route = st.route(idx, step)
         if route == DENSE and st.tuner is not None and idx in st.tuner.decision \
                 and st.error_feedback and idx in st.memory.residuals:
-            # dense is the decision: the residual goes out in equal shares over a few steps
-            if idx not in st.memory.draining:
+            # dense is the decision: the residual goes out in equal shares over a few steps;
+            # under Adam's momentum space it is dropped (AdamW's own step from here on)
+            if st.adam is not None:
+                st.memory.reset(idx)
+            elif idx not in st.memory.draining:
                 st.memory.start_drain(idx, _DRAIN_STEPS)
         return route, k
 
@@ -97,10 +100,9 @@ class _ModuleStep:
         """Local steps of a dense call (and a drain share); the flag when the module keeps
         per-rank memory a NaN must reset, else ``None``."""
         st, idx = self.state, self.index
-        mbar = _velocity_start(st, st.steps.get(idx, 0))
-        if not (st.local_transform or idx in st.memory.draining or mbar is not None):
-            return None
-        flag = local_flagged(st, idx, x, 1, st.clip_limit(idx, world), mbar)
+        if not (st.local_transform or idx in st.memory.draining):
+            return None  # Adam's momentum space: a dense call sends the gradient (comms.adam)
+        flag = local_flagged(st, idx, x, 1, st.clip_limit(idx, world))
         st.memory.drain_step_(idx, x)
         return flag
 
@@ -183,7 +185,7 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         if route == DENSE:
             return self._dense(comm, x, out, step, divide, self._dense_flag(x, world), "dense")
         comp = st.compressor_for(step)
-        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world), _velocity_start(st, step)))
+        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world), _velocity_start(st, step, idx)))
         m = out.numel()
         if comp is not st.compressor and warm_step_goes_dense(
                 comp, (world - 1) * (comp.wire_bytes(m, x.dtype) + 1), (world - 1) * m * x.element_size()):
@@ -246,11 +248,15 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
 _NO_MOMENTUM = torch.zeros(0)
 
 
-def _velocity_start(st, step: int):
+def _velocity_start(st, step: int, index: int):
     """Adam's momentum space on FSDP/HSDP (sparsifiers, a velocity per rank): the shared
     momentum the velocity starts from — not gathered (each rank holds only its shards), so
-    an empty tensor: the velocity starts at 0 when the variance freezes. ``None`` before."""
-    return _NO_MOMENTUM if st.adam is not None and st.adam.active(step) else None
+    an empty tensor: the velocity starts at 0 when the variance freezes. ``None`` before (and
+    on a refresh step). Module ``index``'s parameters are marked for the frozen-variance step."""
+    if st.adam is None or not st.adam.active(step):
+        return None
+    st.adam.mark_module(index, step)
+    return _NO_MOMENTUM
 
 
 def settle_own_(st, idx: int, x: torch.Tensor, own: torch.Tensor, d: Delivery) -> None:
@@ -289,7 +295,7 @@ class ReplicateAllReduce(_ModuleStep):
         if route == DENSE:
             return self._dense(comm, x, step, self._dense_flag(x, world), "dense")
         comp = st.compressor_for(step)
-        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world), _velocity_start(st, step)))
+        flag = nonfinite_flag(x, feed_(st, idx, x, 1, st.clip_limit(idx, world), _velocity_start(st, step, idx)))
         alg = get_algorithm(st.flat_algorithm())
         if comp is not st.compressor and warm_step_goes_dense(
                 comp, alg.wire_bytes(comp, x.numel(), x.dtype, world),

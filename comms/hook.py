@@ -10,6 +10,7 @@ layouts for resume are tracked by :mod:`comms.layouts`. Guarantees are listed in
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
+import functools
 import logging
 
 import torch
@@ -102,16 +103,25 @@ def _record(state, index: int, x: torch.Tensor, world: int, name: str, wire=None
 
 
 def _route_dense(state: CompressionState, comm, x: torch.Tensor, index: int, step: int, scatter,
-                 prev: str | None, switched: bool, mbar=None) -> torch.futures.Future:
+                 prev: str | None, switched: bool) -> torch.futures.Future:
     """The auto planner routes this bucket to the plain allreduce: local steps, the previous
     algorithm's residual flushed once, the error-feedback residual kept through a trial's
-    dense steps or drained over a few dense steps once dense is the decision."""
+    dense steps or drained over a few dense steps once dense is the decision.
+
+    Under Adam's momentum space the gradient goes (AdamW's own step, :mod:`comms.adam`); at a
+    dense lock what compression had not delivered yet (in the momentum space's coordinates)
+    is dropped, not drained: a drained burst would enter Adam's variance."""
     world = comm.world_size
     _record(state, index, x, world, DENSE)
     kept = state.error_feedback and index in state.memory.residuals
-    if not switched and not kept and not state.local_transform and mbar is None:
+    if state.adam is not None and (switched or (kept and not _dense_for_now(state))):
+        if not _dense_for_now(state):
+            state.memory.reset(index)
+        state.algo_store.pop(index, None)
+        switched, kept = False, False
+    if not switched and not kept and not state.local_transform:
         return _averaged_allreduce(state, comm, index, step, x, scatter)
-    flag = local_flagged(state, index, x, world, _limit(state, world), mbar)
+    flag = local_flagged(state, index, x, world, _limit(state, world))
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
         state.algo_store.pop(index, None)  # the store is spent; the velocity is not
@@ -130,19 +140,22 @@ def _warm_step_goes_dense(alg, compressor, x: torch.Tensor, world: int) -> bool:
 
 
 def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: int,
-                   scatter=None, shapes: tuple = (), dense: bool = False, mbar=None) -> torch.futures.Future:
+                   scatter=None, shapes: tuple = (), dense: bool = False, mbar=None,
+                   params=()) -> torch.futures.Future:
     """One flat tensor through the pipeline in place; returns the (pending) future.
 
     ``shapes``: the shapes of the parameters ``x`` is made of, in order (``()``: unknown);
     they reach the compressor as ``Context.shapes`` (PowerSGD factorizes each matrix).
     ``dense``: a plain allreduce step (before ``start_iter``, small buckets) that still needs
     the local steps (momentum correction, clipping). ``mbar``: Adam's shared momentum of these
-    elements once the variance froze (the momentum is what travels: :mod:`comms.adam`).
+    elements once the variance froze (the momentum is what travels: :mod:`comms.adam`);
+    ``params``: the parameters ``x`` is made of, marked for Adam's frozen-variance step when
+    it goes through the momentum space.
     """
     comm = state.comm()
     world = comm.world_size
-    if dense:
-        flag = local_flagged(state, index, x, world, _limit(state, world), mbar)
+    if dense:  # Adam: a dense bucket sends the gradient (AdamW's own step)
+        flag = local_flagged(state, index, x, world, _limit(state, world))
         return _plain_allreduce(state, comm, index, step, x, flag, scatter)
     name = state.algorithm_for(index, x.numel(), x.dtype)
     # the auto planner may move a bucket between algorithms (autotune trials): residuals of
@@ -150,10 +163,18 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     prev = state.planner.note_used(index, name) if state.planner is not None else None
     switched = prev is not None and prev != name
     if name == DENSE:
-        return _route_dense(state, comm, x, index, step, scatter, prev, switched, mbar)
+        return _route_dense(state, comm, x, index, step, scatter, prev, switched)
     state.memory.draining.pop(index, None)  # back to compressing: what is left is a residual again
     # warm-up variant (DGC; in Adam's momentum space its ramp starts when the variance froze)
     compressor = state.compressor_at(step if mbar is None else step - state.adam.freeze_iter + state.start_iter)
+    alg = get_algorithm(name)
+    if mbar is not None and not switched and compressor is not state.compressor and \
+            _warm_step_goes_dense(alg, compressor, x, world):
+        # Adam's momentum space: a dense step of the ramp is AdamW's own step on the average
+        _record(state, index, x, world, DENSE)
+        return _averaged_allreduce(state, comm, index, step, x, scatter)
+    if mbar is not None:
+        state.adam.mark(params, step)
     amax = feed_(state, index, x, world, _limit(state, world), mbar)
     if switched:
         _flush_residual_(x, state.algo_store.get(index, {}), prev, comm)
@@ -161,20 +182,25 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
         amax = None
     # it travels with the step's flag allreduce
     flag = nonfinite_flag(x, amax)
-    alg = get_algorithm(name)
     if compressor is not state.compressor and _warm_step_goes_dense(alg, compressor, x, world):
         # the lossless end of the ramp: the residual (already in x) goes with it; the velocity
         # goes on; flagged like a compressed step (a NaN resets the bucket's memory)
         state.memory.residuals.pop(index, None)
         _record(state, index, x, world, DENSE)
         return _plain_allreduce(state, comm, index, step, x, flag, scatter, "dense allreduce (warm-up)")
-    masking = None if mbar is None else state.adam.masking(step)
-    return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, masking)
+    masking = deliver = None
+    if mbar is not None:
+        masking = state.adam.masking(step)
+        deliver = functools.partial(state.adam.deliver_, share=mbar)
+    return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag,
+                          masking, deliver)
 
 
-def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, masking):
+def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag, masking,
+                   deliver=None):
     """The algorithm's rounds on the fed ``x``, then :func:`~comms.pipeline.settle_` once the
-    result is in, through the step's flags."""
+    result is in (and ``deliver(x)``: Adam's new momentum from the aggregate), through the
+    step's flags."""
     ctx = Context(numel=x.numel(), dtype=x.dtype, device=x.device, step=step,
                   bucket=index, rank=comm.rank, seed=state.seed, shapes=shapes)
     _record(state, index, x, comm.world_size, alg.name,
@@ -200,7 +226,8 @@ def _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes
             msg = clean_message(exc)
             raise RuntimeError(msg if msg.startswith("commpress:") else f"{what} failed: {msg}") from exc
         wait_mark(in_flight, x)
-        return settle_(state, index, x, total, own, delivery)
+        out = settle_(state, index, x, total, own, delivery)
+        return out if deliver is None else deliver(out)
 
     return state.flags.enqueue(index, step, flag, x, fut.then(finish), scatter, what=what)
 
@@ -252,10 +279,11 @@ def _shapes_at(bucket: dist.GradBucket, numel: int) -> dict:
     return shape_at if off == numel else {}
 
 
-def _split_bucket(state, buf, plan, shape_at, step, dense, mbar=None) -> torch.futures.Future:
+def _split_bucket(state, buf, plan, shape_at, step, dense, mbar=None, params=()) -> torch.futures.Future:
     """A bucket whose parameters map onto several residual layouts (a resumed run's layouts,
     DDP's rebuilt buckets): each part goes through the pipeline under its own index."""
     subs = []
+    offsets = list(shape_at) if len(shape_at) == len(params) else [None] * len(params)
     for j, segs in plan:
         x = torch.cat([buf[o: o + n] for o, n in segs])
 
@@ -268,8 +296,10 @@ def _split_bucket(state, buf, plan, shape_at, step, dense, mbar=None) -> torch.f
         segs_shapes = [shape_at.get(o) for o, _ in segs]
         shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
             else tuple(s[1] for s in segs_shapes)
-        part = None if mbar is None else torch.cat([mbar[o: o + n] for o, n in segs])
-        subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes, dense=dense, mbar=part))
+        part = None if mbar is None else mbar.cut(segs)
+        mine = [p for p, o in zip(params, offsets) if o is None or any(a <= o < a + n for a, n in segs)]
+        subs.append(_compress_flat(state, x, j, step, scatter, shapes=shapes, dense=dense, mbar=part,
+                                   params=mine))
     return when_all(subs, buf)
 
 
@@ -280,16 +310,18 @@ def _exchange(state, comm, bucket, buf, index: int, step: int) -> torch.futures.
     state.config_check.check(comm, index, buf, step,
                              lambda: state.config_hash(index, buf.numel(), buf.dtype, step),
                              lambda: state.config_values(index, buf.numel(), buf.dtype, step))
-    mbar = _shared_momentum(state, bucket, step)
     dense = step < _start(state, step) or buf.numel() < state.min_compress_numel
-    if dense and not state.local_transform and mbar is None:
+    mbar = None if dense else _shared_momentum(state, bucket, step)
+    if dense and not state.local_transform:
         return _averaged_allreduce(state, comm, index, step, buf)
     plan = _layout_plan(state, bucket, buf, index)
     shape_at = _shapes_at(bucket, buf.numel())
+    params = bucket.parameters()
     if plan == [(index, None)]:
         shapes = tuple(s for _, s in shape_at.values())
-        return _compress_flat(state, buf, index, step, shapes=shapes, dense=dense, mbar=mbar)
-    return _split_bucket(state, buf, plan, shape_at, step, dense, mbar)
+        return _compress_flat(state, buf, index, step, shapes=shapes, dense=dense, mbar=mbar,
+                              params=params)
+    return _split_bucket(state, buf, plan, shape_at, step, dense, mbar, params)
 
 
 def _start(state: CompressionState, step: int) -> int:
@@ -297,18 +329,15 @@ def _start(state: CompressionState, step: int) -> int:
     return state.start_iter if state.adam is None else state.adam.start(step, state.start_iter)
 
 
-_NO_MOMENTUM = torch.zeros(0)
-
-
 def _shared_momentum(state: CompressionState, bucket, step: int):
-    """Adam's shared momentum of the bucket's parameters once the variance froze, else None.
-    A velocity per rank (sparsifiers) reads it only to start: once the bucket has one, an
-    empty tensor stands in and no bucket-sized copy is made."""
+    """Adam's share of the bucket once the variance froze (a :class:`comms.adam.Share`: the
+    shared momentum and the preconditioner), else None. Only ``"shared"`` reads the momentum
+    every step; a velocity per rank reads it to start."""
     if state.adam is None or not state.adam.active(step):
         return None
-    if state.adam.mode == "local" and bucket.index() in state.memory.velocities:
-        return _NO_MOMENTUM
-    return state.adam.shared_momentum(bucket.parameters())
+    needs = state.adam.mode == "shared" or (state.adam.mode == "local"
+                                            and bucket.index() not in state.memory.velocities)
+    return state.adam.share(bucket.parameters(), needs)
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -352,11 +381,18 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     comm = _begin_bucket(state, bucket, buf, index, step)
     if comm.world_size == 1 or buf.numel() == 0:
         mbar = _shared_momentum(state, bucket, step)
+        if mbar is not None:
+            state.adam.mark(bucket.parameters(), step)
         if (state.local_transform or mbar is not None) and buf.numel():
             local_(state, index, buf, 1, state.clip_norm, mbar)  # the momentum the optimizer no longer applies
+            if mbar is not None:
+                state.adam.deliver_(buf, mbar)
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:
         fut = _exchange(state, comm, bucket, buf, index, step)
+    if state.adam is not None:  # the factor the loop applies to .grad afterwards (comms.adam)
+        params = bucket.parameters()
+        fut = fut.then(lambda f: state.adam.probe(params, f.value(), step))
     if last:
         state.flags.flush(comm, step, _on_nonfinite(state))
         state.layout_tracker.end_step()

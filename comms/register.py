@@ -186,9 +186,19 @@ def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None):
         return None
     if not momentum_space(state.compressor, state.error_feedback):
         return None
-    mode = "local" if getattr(state.compressor, "sparsifies", False) else "shared"
-    adam = FrozenVarianceAdam(optimizer, mode=mode, freeze=adam_freeze,
-                              min_steps=max(10, state.start_iter + state.warmup_steps + 1))
+    import os
+    ddp = isinstance(state, CompressionState)  # the variance is replicated: precondition
+    sparse = getattr(state.compressor, "sparsifies", False)
+    if ddp:
+        mode = os.environ.get("CP_ADAM_MODE_SPARSE" if sparse else "CP_ADAM_MODE_SIGN", "local" if sparse else "shared")
+        pre = os.environ.get("CP_ADAM_PRE", "1") == "1"
+    else:
+        mode, pre = ("local" if sparse else "shared"), False
+    adam = FrozenVarianceAdam(optimizer, mode=mode, precondition=pre, delivers=ddp,
+                              rho=float(os.environ.get("CP_ADAM_RHO", "0")), freeze=adam_freeze,
+                              min_steps=max(10, state.start_iter + state.warmup_steps + 1),
+                              refresh_ratio=float(os.environ.get("CP_ADAM_REFRESH", "0.25")),
+                              freeze_tol=float(os.environ.get("CP_ADAM_TOL", "0.02")))
     adam.comm_fn = comm_fn or state.comm
     adam.iter_fn = iter_fn or (lambda: state.iter)
     return adam
