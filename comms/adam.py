@@ -161,8 +161,8 @@ class FrozenVarianceAdam:
         self._marked: tuple[int, set] = (-1, set())
         self._probe: tuple = (-1, None)  # (step, (param, flat index, value delivered))
         self._change: tuple[float, float] | None = None
-        self._pre: dict = {}             # bucket key -> (generation, flat preconditioner)
-        self._generation = 0
+        self._pre: dict = {}             # bucket key -> (its variances' versions, flat preconditioner)
+        self._version: dict = {}         # param -> how often its variance changed after the freeze
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
                          optimizer.register_step_post_hook(self._post_step)]
 
@@ -227,8 +227,9 @@ class FrozenVarianceAdam:
         if not self.precondition:
             return None
         key = tuple(id(p) for p in params)
+        version = tuple(self._version.get(p, 0) for p in params)
         hit = self._pre.get(key)
-        if hit is not None and hit[0] == self._generation:
+        if hit is not None and hit[0] == version:
             return hit[1]
         parts = []
         for p in params:
@@ -241,7 +242,7 @@ class FrozenVarianceAdam:
             s = self.vstep.get(p, float(st["step"]))
             parts.append(denominator(st["exp_avg_sq"], s, self.beta2, eps).reciprocal_().reshape(-1))
         pre = torch.cat(parts) if parts else _EMPTY
-        self._pre[key] = (self._generation, pre)
+        self._pre[key] = (version, pre)
         return pre
 
     def momentum_(self, memory, index: int, x: torch.Tensor, share, div: int,
@@ -282,7 +283,9 @@ class FrozenVarianceAdam:
     def probe(self, params, x: torch.Tensor, step: int) -> torch.Tensor:
         """Note one element of a bucket's delivered result ``x`` (the largest of its largest
         parameter's first 65536), to find the factor the loop applies to ``.grad`` before the
-        step (``clip_grad_norm_``, ``GradScaler.unscale_``). No host sync. Returns ``x``."""
+        step (``clip_grad_norm_``, ``GradScaler.unscale_``). The adapter calls it for one
+        fixed bucket (the factor's last bits depend on the element). No host sync. Returns
+        ``x``."""
         if self._probe[0] == step or not len(params):
             return x
         off, best = 0, None
@@ -335,6 +338,7 @@ class FrozenVarianceAdam:
                 factor = self._factor(step, torch.ones(()))
             if not self.frozen:
                 self._change = variance_change(self.optimizer, self.beta2)
+                self._pre.clear()
             else:
                 self._frozen_steps(opt, step, factor)
         return (args, kwargs) if closure is not None else None
@@ -354,13 +358,13 @@ class FrozenVarianceAdam:
                         m = m.div(factor)
                     frozen_step_(p, st, group, m, s, self.beta1, self.beta2)
                     p.grad = None  # applied: Adam's own step skips it
-                elif refresh and p in self.vstep:
+                    continue
+                self._version[p] = self._version.get(p, 0) + 1  # its variance changes
+                if refresh and p in self.vstep:
                     refresh_step_(p, st, group, p.grad, self.vstep.pop(p), self.beta1, self.beta2)
                     p.grad = None
-                    self._generation += 1
                 elif p in self.vstep:
                     thaw_(st, self.vstep.pop(p), self.beta2)  # then AdamW's own step
-                    self._generation += 1
 
     def _post_step(self, opt, args, kwargs):
         """After the step: the freeze agreement (before it), the refresh bookkeeping (after)."""
@@ -400,7 +404,7 @@ class FrozenVarianceAdam:
         params = self._params()
         self.vstep = {params[int(i)]: float(s) for i, s in sd.get("vstep", {}).items()}
         self.scale = torch.tensor(float(sd.get("scale", 1.0)))
-        self._generation += 1
+        self._pre.clear()
 
     def remove(self) -> None:
         """Detach from the optimizer (its step is Adam's own again)."""

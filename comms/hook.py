@@ -390,8 +390,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:
         fut = _exchange(state, comm, bucket, buf, index, step)
-    if state.adam is not None:  # the factor the loop applies to .grad afterwards (comms.adam)
-        params = bucket.parameters()
+    if state.adam is not None and index == 0:  # the factor the loop applies to .grad afterwards
+        params = bucket.parameters()             # (comms.adam); one bucket: the same on every rank
         fut = fut.then(lambda f: state.adam.probe(params, f.value(), step))
     if last:
         state.flags.flush(comm, step, _on_nonfinite(state))
