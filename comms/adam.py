@@ -122,6 +122,8 @@ class FrozenVarianceAdam:
             ``.grad`` holds the new momentum (DDP).
         rho: ``"shared"``: how much of the shared momentum the new one keeps where the
             aggregate leaves an element out (0: 1-bit Adam's).
+        velocity_masking: ``"local"``: ``"sent"`` (DGC's: a velocity is zeroed where it was
+            sent) or ``"off"`` (the velocities stay the momentum filter of every gradient).
         freeze, min_steps, max_steps, freeze_tol, patience, refresh_ratio: the
             :class:`~comms.adam_policy.VariancePolicy`.
 
@@ -138,7 +140,7 @@ class FrozenVarianceAdam:
     """
 
     def __init__(self, optimizer, *, mode: str = "shared", precondition: bool = False,
-                 delivers: bool = False, rho: float = 0.0, freeze="auto", min_steps: int = 10, max_steps: int = 400,
+                 delivers: bool = False, rho: float = 0.0, velocity_masking: str = "sent", freeze="auto", min_steps: int = 10, max_steps: int = 400,
                  freeze_tol: float = FREEZE_TOL, patience: int = 5,
                  refresh_ratio: float = REFRESH_RATIO):
         if not adam_family(optimizer):
@@ -151,6 +153,9 @@ class FrozenVarianceAdam:
                                      refresh_ratio=refresh_ratio)
         self.mode, self.precondition, self.rho = mode, bool(precondition), float(rho)
         self.delivers = bool(delivers or precondition)
+        if velocity_masking not in ("sent", "off"):
+            raise ValueError(f"velocity_masking must be 'sent' or 'off', got {velocity_masking!r}")
+        self.velocity_masking = velocity_masking
         self.optimizer = optimizer
         self.scale = torch.ones(())      # the loop's factor on the gradients at the last dense step
         self.vstep: dict = {}            # param -> the step its variance was last updated at
@@ -301,11 +306,9 @@ class FrozenVarianceAdam:
         return x
 
     def masking(self, step: int) -> str | None:
-        """The momentum-masking rule at hook step ``step``: ``"sent"`` (DGC's) for the local
-        velocity — without it a sparsifier's unsent coordinates keep re-adding their momentum
-        to the residual and the frozen-variance step blows up — else ``None`` (the pipeline's
-        own rule)."""
-        return "sent" if self.mode == "local" and self.active(step) else None
+        """The momentum-masking rule of the local velocity at hook step ``step`` (``None``: the
+        pipeline's own rule, for ``"shared"``): :attr:`velocity_masking`."""
+        return self.velocity_masking if self.mode == "local" and self.active(step) else None
 
     # -- the optimizer side -------------------------------------------------------------
     def _factor(self, step: int, fallback: torch.Tensor) -> torch.Tensor | None:

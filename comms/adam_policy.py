@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["VariancePolicy", "FREEZE_TOL", "REFRESH_RATIO"]
+__all__ = ["VariancePolicy", "check_freeze", "FREEZE_TOL", "REFRESH_RATIO"]
 
 #: the variance freezes once its per-element relative change stays below this per step
 FREEZE_TOL = 0.02
@@ -39,12 +39,15 @@ FREEZE_TOL = 0.02
 REFRESH_RATIO = 0.25
 
 
-def _int_or_auto(name: str, v, low: int):
-    if v == "auto":
-        return v
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{name} must be 'auto' or an int >= {low}, got {v!r}")
-    return v
+def check_freeze(adam_freeze):
+    """``adam_freeze`` as given: ``"auto"``, an int >= 1 or ``None``; a ValueError naming a
+    bad value otherwise."""
+    if adam_freeze is None or (isinstance(adam_freeze, str) and adam_freeze == "auto"):
+        return adam_freeze
+    if isinstance(adam_freeze, bool) or not isinstance(adam_freeze, int) or adam_freeze < 1:
+        raise ValueError(f"adam_freeze must be 'auto', an int >= 1 (the step the variance "
+                         f"freezes at) or None (the gradient path), got {adam_freeze!r}")
+    return adam_freeze
 
 
 class VariancePolicy:
@@ -65,7 +68,9 @@ class VariancePolicy:
     def __init__(self, freeze="auto", *, min_steps: int = 10, max_steps: int = 400,
                  freeze_tol: float = FREEZE_TOL, patience: int = 5,
                  refresh_ratio: float = REFRESH_RATIO):
-        self.freeze = _int_or_auto("adam_freeze", freeze, 1)
+        if freeze is None:
+            raise ValueError("adam_freeze must be 'auto' or an int >= 1 here (None: no policy)")
+        self.freeze = check_freeze(freeze)
         if not (0.0 < float(freeze_tol) < 1.0):
             raise ValueError(f"freeze_tol must be in (0, 1), got {freeze_tol!r}")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:

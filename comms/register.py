@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .adam import FrozenVarianceAdam, adam_family, momentum_space
+from .adam_policy import check_freeze
 from .hook import compression_hook
 from .replicas import ReplicaGuard
 from .state import CompressionState
@@ -181,24 +182,28 @@ def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None):
     """The momentum-space scheme for an Adam/AdamW ``optimizer`` and a compressor that keeps
     error-feedback residuals (:func:`comms.adam.momentum_space`); ``None`` otherwise or when
     ``adam_freeze`` is ``None`` (the gradient path). ``comm_fn``/``iter_fn``: the communicator
-    its freeze agreement uses and the step counter (default: the DDP state's)."""
+    its freeze agreement uses and the step counter (default: the DDP state's).
+
+    DDP (the variance replicated on every rank): preconditioned; sign travels as 1-bit
+    Adam's shared momentum, the sparsifiers as a velocity per rank without masking. FSDP: a
+    velocity per rank with DGC's masking (docs/design-notes.md, "Adam's momentum space").
+
+    Raises:
+        ValueError: a bad ``adam_freeze`` (checked whether or not the scheme applies) or an
+            optimizer layout the scheme cannot follow, before anything changes.
+    """
+    check_freeze(adam_freeze)
     if adam_freeze is None or optimizer is None or not adam_family(optimizer):
         return None
     if not momentum_space(state.compressor, state.error_feedback):
         return None
-    import os
-    ddp = isinstance(state, CompressionState)  # the variance is replicated: precondition
     sparse = getattr(state.compressor, "sparsifies", False)
-    if ddp:
-        mode = os.environ.get("CP_ADAM_MODE_SPARSE" if sparse else "CP_ADAM_MODE_SIGN", "local" if sparse else "shared")
-        pre = os.environ.get("CP_ADAM_PRE", "1") == "1"
+    if isinstance(state, CompressionState):
+        kw = dict(mode="local" if sparse else "shared", precondition=True, velocity_masking="off")
     else:
-        mode, pre = ("local" if sparse else "shared"), False
-    adam = FrozenVarianceAdam(optimizer, mode=mode, precondition=pre, delivers=ddp,
-                              rho=float(os.environ.get("CP_ADAM_RHO", "0")), freeze=adam_freeze,
-                              min_steps=max(10, state.start_iter + state.warmup_steps + 1),
-                              refresh_ratio=float(os.environ.get("CP_ADAM_REFRESH", "0.25")),
-                              freeze_tol=float(os.environ.get("CP_ADAM_TOL", "0.02")))
+        kw = dict(mode="local" if sparse else "shared", velocity_masking="sent")
+    adam = FrozenVarianceAdam(optimizer, freeze=adam_freeze,
+                              min_steps=max(10, state.start_iter + state.warmup_steps + 1), **kw)
     adam.comm_fn = comm_fn or state.comm
     adam.iter_fn = iter_fn or (lambda: state.iter)
     return adam
