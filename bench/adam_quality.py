@@ -21,8 +21,9 @@ Rows:
   scheme (:mod:`comms.adam`); QSGD and fp16 keep the gradient path;
 * ``SPEC [gradient path]`` (``--paths gradient``): the same with ``adam_freeze=None``.
 
-The algorithm is pinned (``--algorithm``, default ``allgather``): a hand-picked setting, since on
-loopback ``auto`` rightly picks dense allreduce and there would be nothing to compare. The final
+**Pinned**: every compressed row is README's usage with ``algorithm="allgather"`` pinned
+(``--algorithm``): a hand-picked setting, since on loopback ``auto`` rightly keeps dense
+allreduce and there would be nothing to compare. The final
 loss is the mean of the last ``--tail`` evaluations (64 fixed held-out sequences); ratio = final
 / dense's final in the same cell, world size and seed. ``replicas`` = every rank's parameters
 bitwise equal at the end; ``dense_steps`` = the steps whose every bucket went dense (Adam's
@@ -276,7 +277,7 @@ def _write(out: str, recs: list[dict]) -> None:
     md = ["# Quality at equal steps under AdamW: final loss against dense allreduce", ""]
     for command, commit, facts in runs:
         md += ["```", command, "```", "", f"Commit `{commit}`. Machine: {facts}.", ""]
-    md += ["\n\n".join(__doc__.split("\n\n")[1:5]), "", "## Against the targets", ""]
+    md += ["\n\n".join(__doc__.split("\n\n")[1:7]), "", "## Against the targets", ""]
     md += _verdict(summary) + [""]
     md += ["Columns: `seedI` — final-loss ratio to dense at the I-th seed; `mean`/`worst` over the "
            "seeds; `target` — the bar for the row (`met` compares the mean); `finite` — every "
