@@ -42,7 +42,8 @@ import logging
 import torch
 
 from .adam_policy import FREEZE_TOL, REFRESH_RATIO, VariancePolicy
-from .adam_steps import denominator, frozen_step_, refresh_step_, thaw_, variance_change
+from .adam_share import EMPTY, LoopFactor, Preconditioner, Share
+from .adam_steps import frozen_step_, refresh_step_, thaw_, variance_change
 from .deadline import wait
 
 __all__ = ["FrozenVarianceAdam", "Share", "adam_family", "momentum_space", "FREEZE_TOL",
@@ -51,7 +52,6 @@ __all__ = ["FrozenVarianceAdam", "Share", "adam_family", "momentum_space", "FREE
 logger = logging.getLogger(__name__)
 
 MODES = ("shared", "local")
-_EMPTY = torch.zeros(0)
 
 
 def adam_family(optimizer) -> bool:
@@ -66,6 +66,10 @@ def momentum_space(compressor, error_feedback: bool) -> bool:
     gradient path, where Adam already keeps its quality."""
     return bool(error_feedback and getattr(compressor, "momentum_correction", True)
                 and compressor.name not in ("identity", "fp16", "bf16"))
+
+
+def _params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def check_groups(optimizer) -> tuple[float, float]:
@@ -91,23 +95,6 @@ def check_groups(optimizer) -> tuple[float, float]:
     return next(iter(betas))
 
 
-class Share:
-    """What the DDP hook hands the pipeline for a bucket in momentum space: the shared momentum
-    in the travelling coordinates (empty where not read) and the preconditioner (``None``
-    without one), both flat over the bucket."""
-
-    __slots__ = ("momentum", "pre")
-
-    def __init__(self, momentum: torch.Tensor, pre: torch.Tensor | None):
-        self.momentum, self.pre = momentum, pre
-
-    def cut(self, segs) -> "Share":
-        """The share of the ``(offset, numel)`` segments of the bucket, concatenated."""
-        def part(t):
-            return t if t is None or t.numel() == 0 else torch.cat([t[o: o + n] for o, n in segs])
-        return Share(part(self.momentum), part(self.pre))
-
-
 class FrozenVarianceAdam:
     """The Adam side of momentum-space compression (see the module docstring).
 
@@ -118,8 +105,8 @@ class FrozenVarianceAdam:
         mode: ``"shared"`` or ``"local"``.
         precondition: travel in Adam's preconditioned coordinates (DDP: the variance is
             replicated on every rank); implies ``delivers``.
-        delivers: the adapter hands every momentum-space aggregate to :meth:`deliver_`, so
-            ``.grad`` holds the new momentum (DDP).
+        delivers: the adapter hands every momentum-space aggregate to its share's
+            :meth:`~comms.adam_share.Share.deliver_`, so ``.grad`` holds the new momentum (DDP).
         rho: ``"shared"``: how much of the shared momentum the new one keeps where the
             aggregate leaves an element out (0: 1-bit Adam's).
         velocity_masking: ``"local"``: ``"sent"`` (DGC's: a velocity is zeroed where it was
@@ -157,17 +144,15 @@ class FrozenVarianceAdam:
             raise ValueError(f"velocity_masking must be 'sent' or 'off', got {velocity_masking!r}")
         self.velocity_masking = velocity_masking
         self.optimizer = optimizer
-        self.scale = torch.ones(())      # the loop's factor on the gradients at the last dense step
         self.vstep: dict = {}            # param -> the step its variance was last updated at
+        self.loop = LoopFactor()         # the loop's factor on .grad (``loop.scale``)
+        self.preconditioner = Preconditioner(optimizer, self.beta2, self.vstep.get)
         self.comm_fn = None              # the hook state's communicator, for the agreement
         self.iter_fn = None              # the hook state's step counter
         self.modules: list = []          # FSDP: the modules, by the state's module index
         self._module_params: dict[int, list] = {}
         self._marked: tuple[int, set] = (-1, set())
-        self._probe: tuple = (-1, None)  # (step, (param, flat index, value delivered))
         self._change: tuple[float, float] | None = None
-        self._pre: dict = {}             # bucket key -> (its variances' versions, flat preconditioner)
-        self._version: dict = {}         # param -> how often its variance changed after the freeze
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
                          optimizer.register_step_post_hook(self._post_step)]
 
@@ -179,10 +164,6 @@ class FrozenVarianceAdam:
     @property
     def freeze_iter(self) -> int | None:
         return self.policy.freeze_iter
-
-    @property
-    def changes(self) -> list[float]:
-        return self.policy.changes
 
     def active(self, step: int) -> bool:
         """Whether hook step ``step`` sends momentum (frozen before it, not a refresh)."""
@@ -198,57 +179,33 @@ class FrozenVarianceAdam:
     # -- the hook side ------------------------------------------------------------------
     def mark(self, params, step: int) -> None:
         """``params`` go through the momentum space at hook step ``step``: the optimizer gives
-        them the frozen-variance step."""
+        them the frozen-variance step. An int: FSDP module ``params`` of :attr:`modules` (its
+        sharded parameters)."""
+        if isinstance(params, int):
+            index = params
+            params = self._module_params.get(index)
+            if params is None:
+                params = self._module_params[index] = [
+                    fp.sharded_param for g in self.modules[index]._get_fsdp_state()._fsdp_param_groups
+                    for fp in g.fsdp_params]
         if self._marked[0] != step:
             self._marked = (step, set())
         self._marked[1].update(params)
 
-    def mark_module(self, index: int, step: int) -> None:
-        """:meth:`mark` for FSDP module ``index`` (of :attr:`modules`): its sharded parameters."""
-        params = self._module_params.get(index)
-        if params is None:
-            params = self._module_params[index] = [
-                fp.sharded_param for g in self.modules[index]._get_fsdp_state()._fsdp_param_groups
-                for fp in g.fsdp_params]
-        self.mark(params, step)
-
     def share(self, params, momentum: bool = True) -> Share:
-        """The :class:`Share` of ``params`` (a bucket's, in order); without ``momentum`` the
-        momentum is left out (an empty tensor: no bucket-sized copy)."""
-        pre = self.preconditioner(params)
+        """The :class:`~comms.adam_share.Share` of ``params`` (a bucket's, in order); without
+        ``momentum`` the momentum is left out (:data:`~comms.adam_share.EMPTY`)."""
+        pre = self.preconditioner(params) if self.precondition else None
+        coef = (self.mode, self.beta1, self.rho)
         if not momentum:
-            return Share(_EMPTY, pre)
+            return Share(EMPTY, pre, *coef)
         parts = []
         for p in params:
             m = self.optimizer.state.get(p, {}).get("exp_avg")
             parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if m is None
                          else m.reshape(-1))
-        mbar = torch.cat(parts) if parts else _EMPTY
-        return Share(mbar if pre is None else mbar.mul_(pre), pre)
-
-    def preconditioner(self, params) -> torch.Tensor | None:
-        """``1 / (sqrt(vhat) + eps)`` of ``params``, flat (cached until a variance update);
-        ``None`` without ``precondition``."""
-        if not self.precondition:
-            return None
-        key = tuple(id(p) for p in params)
-        version = tuple(self._version.get(p, 0) for p in params)
-        hit = self._pre.get(key)
-        if hit is not None and hit[0] == version:
-            return hit[1]
-        parts = []
-        for p in params:
-            st = self.optimizer.state.get(p)
-            if not st or "exp_avg_sq" not in st:
-                parts.append(torch.ones(p.numel(), dtype=p.dtype, device=p.device))
-                continue
-            eps = next(float(g["eps"]) for g in self.optimizer.param_groups
-                       if any(q is p for q in g["params"]))
-            s = self.vstep.get(p, float(st["step"]))
-            parts.append(denominator(st["exp_avg_sq"], s, self.beta2, eps).reciprocal_().reshape(-1))
-        pre = torch.cat(parts) if parts else _EMPTY
-        self._pre[key] = (version, pre)
-        return pre
+        mbar = torch.cat(parts) if parts else EMPTY
+        return Share(mbar if pre is None else mbar.mul_(pre), pre, *coef)
 
     def momentum_(self, memory, index: int, x: torch.Tensor, share, div: int,
                   world: int) -> torch.Tensor:
@@ -256,7 +213,7 @@ class FrozenVarianceAdam:
         unless already; ``world`` the ranks whose shares add up; ``share`` a :class:`Share` —
         or, from FSDP, the shared momentum alone, a tensor, empty where not read). Private
         arithmetic. With ``mbar`` the shared momentum, ``pre`` the preconditioner (1 without)
-        and ``c`` :attr:`scale`, ``y = c pre x / div``:
+        and ``c`` the loop's factor at the last dense step (``loop.scale``), ``y = c pre x / div``:
 
         * ``"shared"``: ``x <- (1 - beta1) y + (beta1 - rho) mbar / world``.
         * ``"local"``: a velocity per rank and bucket, ``u <- beta1 u + y``, started from
@@ -267,7 +224,7 @@ class FrozenVarianceAdam:
             x.div_(div)
         if pre is not None:
             x.mul_(pre)
-        x.mul_(self.scale.to(x.device, x.dtype))
+        x.mul_(self.loop.scale.to(x.device, x.dtype))
         if self.mode == "shared":
             return x.mul_(1.0 - self.beta1).add_(mbar.to(x.dtype), alpha=(self.beta1 - self.rho) / world)
         if memory.velocity(index, x) is None:
@@ -275,54 +232,12 @@ class FrozenVarianceAdam:
                 mbar.to(x.dtype).div((1.0 - self.beta1) * world)
         return memory.momentum_(index, x, self.beta1, 1)
 
-    def deliver_(self, x: torch.Tensor, share) -> torch.Tensor:
-        """The aggregate ``x`` of a bucket in momentum space as its new momentum, in place
-        (elementwise, after the collective; DDP): ``(A + rho mbar) / pre`` (``"shared"``),
-        ``(1 - beta1) A / pre`` (``"local"``)."""
-        if self.mode == "shared" and self.rho:
-            x.add_(share.momentum, alpha=self.rho)
-        elif self.mode == "local":
-            x.mul_(1.0 - self.beta1)
-        return x if share.pre is None else x.div_(share.pre)
-
-    def probe(self, params, x: torch.Tensor, step: int) -> torch.Tensor:
-        """Note one element of a bucket's delivered result ``x`` (the largest of its largest
-        parameter's first 65536), to find the factor the loop applies to ``.grad`` before the
-        step (``clip_grad_norm_``, ``GradScaler.unscale_``). The adapter calls it for one
-        fixed bucket (the factor's last bits depend on the element). No host sync. Returns
-        ``x``."""
-        if self._probe[0] == step or not len(params):
-            return x
-        off, best = 0, None
-        for p in params:
-            if best is None or p.numel() > best[1].numel():
-                best = (off, p)
-            off += p.numel()
-        if off != x.numel():
-            return x
-        window = x[best[0]: best[0] + min(best[1].numel(), 65536)]
-        j = window.abs().argmax()
-        self._probe = (step, (best[1], j, window[j].clone()))
-        return x
-
     def masking(self, step: int) -> str | None:
         """The momentum-masking rule of the local velocity at hook step ``step`` (``None``: the
         pipeline's own rule, for ``"shared"``): :attr:`velocity_masking`."""
         return self.velocity_masking if self.mode == "local" and self.active(step) else None
 
     # -- the optimizer side -------------------------------------------------------------
-    def _factor(self, step: int, fallback: torch.Tensor) -> torch.Tensor | None:
-        """The factor the loop applied to ``.grad`` since the hook delivered it, from the probe:
-        ``grad[j] / delivered[j]`` (``fallback`` where the delivered element is 0; ``None``
-        without a probe of this step)."""
-        if self._probe[0] != step or self._probe[1] is None:
-            return None
-        p, j, value = self._probe[1]
-        if p.grad is None:
-            return None
-        seen = p.grad.detach().reshape(-1)[j]
-        return torch.where(value != 0, seen / value, fallback.to(value.device, value.dtype))
-
     def _pre_step(self, opt, args, kwargs):
         # ``args`` is (optimizer, *positional arguments of step)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -333,15 +248,15 @@ class FrozenVarianceAdam:
         step = self.iter_fn() - 1 if self.iter_fn is not None else -1
         with torch.no_grad():
             if not self.active(step):  # a dense step: the loop's factor on true gradients
-                factor = self._factor(step, self.scale)
+                factor = self.loop.seen(step, self.loop.scale)
                 if factor is not None:
-                    self.scale = factor.to("cpu", torch.float32)
+                    self.loop.scale = factor.to("cpu", torch.float32)
                 factor = None
             else:  # the factor on delivered momenta: divided out (it is in the scale)
-                factor = self._factor(step, torch.ones(()))
+                factor = self.loop.seen(step, torch.ones(()))
             if not self.frozen:
                 self._change = variance_change(self.optimizer, self.beta2)
-                self._pre.clear()
+                self.preconditioner.changed()
             else:
                 self._frozen_steps(opt, step, factor)
         return (args, kwargs) if closure is not None else None
@@ -362,7 +277,7 @@ class FrozenVarianceAdam:
                     frozen_step_(p, st, group, m, s, self.beta1, self.beta2)
                     p.grad = None  # applied: Adam's own step skips it
                     continue
-                self._version[p] = self._version.get(p, 0) + 1  # its variance changes
+                self.preconditioner.changed(p)  # its variance changes
                 if refresh and p in self.vstep:
                     refresh_step_(p, st, group, p.grad, self.vstep.pop(p), self.beta1, self.beta2)
                     p.grad = None
@@ -394,20 +309,18 @@ class FrozenVarianceAdam:
         return None
 
     # -- checkpointing --------------------------------------------------------------------
-    def _params(self) -> list:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
     def state_dict(self) -> dict:
-        index = {p: i for i, p in enumerate(self._params())}
-        return {**self.policy.state_dict(), "scale": float(self.scale),
+        index = {p: i for i, p in enumerate(_params(self.optimizer))}
+        return {**self.policy.state_dict(), "scale": float(self.loop.scale),
                 "vstep": {int(index[p]): float(s) for p, s in self.vstep.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
         self.policy.load_state_dict(sd)
-        params = self._params()
-        self.vstep = {params[int(i)]: float(s) for i, s in sd.get("vstep", {}).items()}
-        self.scale = torch.tensor(float(sd.get("scale", 1.0)))
-        self._pre.clear()
+        params = _params(self.optimizer)
+        self.vstep.clear()
+        self.vstep.update({params[int(i)]: float(s) for i, s in sd.get("vstep", {}).items()})
+        self.loop.scale = torch.tensor(float(sd.get("scale", 1.0)))
+        self.preconditioner.changed()
 
     def remove(self) -> None:
         """Detach from the optimizer (its step is Adam's own again)."""

@@ -255,7 +255,7 @@ def _velocity_start(st, step: int, index: int):
     on a refresh step). Module ``index``'s parameters are marked for the frozen-variance step."""
     if st.adam is None or not st.adam.active(step):
         return None
-    st.adam.mark_module(index, step)
+    st.adam.mark(index, step)
     return _NO_MOMENTUM
 
 

@@ -10,7 +10,6 @@ layouts for resume are tracked by :mod:`comms.layouts`. Guarantees are listed in
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
-import functools
 import logging
 
 import torch
@@ -191,7 +190,7 @@ def _compress_flat(state: CompressionState, x: torch.Tensor, index: int, step: i
     masking = deliver = None
     if mbar is not None:
         masking = state.adam.masking(step)
-        deliver = functools.partial(state.adam.deliver_, share=mbar)
+        deliver = mbar.deliver_
     return _run_algorithm(state, comm, alg, compressor, x, index, step, scatter, shapes, flag,
                           masking, deliver)
 
@@ -386,13 +385,13 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         if (state.local_transform or mbar is not None) and buf.numel():
             local_(state, index, buf, 1, state.clip_norm, mbar)  # the momentum the optimizer no longer applies
             if mbar is not None:
-                state.adam.deliver_(buf, mbar)
+                mbar.deliver_(buf)
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:
         fut = _exchange(state, comm, bucket, buf, index, step)
     if state.adam is not None and index == 0:  # the factor the loop applies to .grad afterwards
         params = bucket.parameters()             # (comms.adam); one bucket: the same on every rank
-        fut = fut.then(lambda f: state.adam.probe(params, f.value(), step))
+        fut = fut.then(lambda f: state.adam.loop.probe(params, f.value(), step))
     if last:
         state.flags.flush(comm, step, _on_nonfinite(state))
         state.layout_tracker.end_step()

@@ -154,7 +154,7 @@ def resume(rank, world, spec, ckpt_dir, saves, total, kw):
                        os.path.join(ckpt_dir, f"r{rank}_{s}.pt"))
         _step(model, opt, *_batch(data, rank, world, s), clip=1.0, sched=sched, reduction="sum")
     out = {"straight": flat_params(model.module), "freeze_iter": state.adam.freeze_iter,
-           "refreshes": state.adam.policy.refreshes, "scale": float(state.adam.scale), "resumed": {}}
+           "refreshes": state.adam.policy.refreshes, "scale": float(state.adam.loop.scale), "resumed": {}}
     for save in saves:
         model, opt, state, sched = _setup(spec, schedule=True, **kw)
         ck = torch.load(os.path.join(ckpt_dir, f"r{rank}_{save}.pt"), weights_only=True)

@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from comms.adam import FrozenVarianceAdam, Share, momentum_space
+from comms.adam import FrozenVarianceAdam, momentum_space
+from comms.adam_share import Share
 from comms.adam_policy import VariancePolicy
 from comms.adam_steps import variance_change
 from compressors import from_spec
@@ -71,7 +72,7 @@ class _Run:
 
     def frozen(self, m, factor=1.0):
         self.adam.mark([self.p], self.it)
-        self.adam.probe([self.p], m, self.it)
+        self.adam.loop.probe([self.p], m, self.it)
         self.it += 1
         self.p.grad = m.clone() * factor
         self.opt.step()
@@ -192,7 +193,7 @@ def test_the_share_travels_preconditioned_and_scaled_and_arrives_as_the_momentum
     r = _Run(precondition=True, rho=0.5, refresh_ratio=0)
     r.dense(3)
     r.freeze()
-    r.adam.scale = torch.tensor(0.5)  # the loop clipped the last dense step's gradients by 1/2
+    r.adam.loop.scale = torch.tensor(0.5)  # the loop clipped the last dense step's gradients by 1/2
     share = r.adam.share([r.p])
     d = (r.state["exp_avg_sq"] / (1 - B2 ** 3)).sqrt() + EPS
     torch.testing.assert_close(share.pre, 1 / d)
@@ -202,23 +203,23 @@ def test_the_share_travels_preconditioned_and_scaled_and_arrives_as_the_momentum
     torch.testing.assert_close(x, (1 - B1) * 0.5 * g / 2 / d + (B1 - 0.5) * r.state["exp_avg"] / d / 2)
     # with every rank's share summed (here: twice this one) the delivered momentum is
     # rho m + (1 - beta1) c g + (beta1 - rho) m: Adam's momentum of the scaled gradient
-    out = r.adam.deliver_(x * 2, share)
+    out = share.deliver_(x * 2)
     torch.testing.assert_close(out, B1 * r.state["exp_avg"] + (1 - B1) * 0.5 * g, rtol=1e-5, atol=1e-7)
     assert Share(torch.arange(6.0), None).cut([(0, 2), (4, 2)]).momentum.tolist() == [0, 1, 4, 5]
 
 
 def test_the_loops_factor_at_a_dense_step_becomes_the_scale():
     r = _Run()
-    r.adam.probe([r.p], torch.ones(50) * 3.0, r.it)  # what the exchange delivered
+    r.adam.loop.probe([r.p], torch.ones(50) * 3.0, r.it)  # what the exchange delivered
     r.it += 1
     r.p.grad = torch.ones(50) * 0.75  # clip_grad_norm_ scaled it by 1/4
     r.opt.step()
-    assert float(r.adam.scale) == 0.25
-    r.adam.probe([r.p], torch.zeros(50), r.it)  # nothing to compare with: unknown, kept
+    assert float(r.adam.loop.scale) == 0.25
+    r.adam.loop.probe([r.p], torch.zeros(50), r.it)  # nothing to compare with: unknown, kept
     r.it += 1
     r.p.grad = torch.zeros(50)
     r.opt.step()
-    assert float(r.adam.scale) == 0.25
+    assert float(r.adam.loop.scale) == 0.25
 
 
 def test_the_freeze_statistic_is_blind_to_clipping_where_the_total_is_not():
