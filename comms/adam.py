@@ -8,28 +8,28 @@ the step is linear in the momentum again and error feedback exact.
 * **When** (:class:`~comms.adam_policy.VariancePolicy`): the variance freezes once its
   per-element relative change settled (clipping, schedules and loss scales cannot fool it)
   and is refreshed by a dense step at geometrically spaced steps afterwards.
-* **What travels** (``mode``): ``"shared"`` — each rank's share of the new momentum from the
-  shared momentum ``m`` every rank holds with the same bits, ``(beta1 - rho) m + (1 - beta1)
-  g_i`` (1-bit Adam at ``rho = 0``; the delivered aggregate ``A`` makes the new momentum ``rho m +
-  A``); ``"local"`` — a velocity per rank (DGC's momentum correction; FSDP's sparsifiers,
-  whose ranks hold no whole momentum). Where the variance is replicated (DDP:
-  ``precondition``) both travel in Adam's preconditioned coordinates, multiplied by ``1 /
-  (sqrt(vhat) + eps)``: the compressor ranks and scales elements by the step Adam would take,
-  not by the raw gradient (whose scale differs by orders of magnitude between an embedding, a
-  LayerNorm and a projection). Each rank's gradient is first multiplied by :attr:`scale`, the
-  factor the training loop applied to the gradients at the last dense step (``clip_grad_norm_``,
-  a loss scaler's unscale), so the momentum is built from gradients in the units the variance
-  was.
+* **What travels** (``mode``): ``"shared"`` (sign) — each rank's share of the new momentum
+  from the shared momentum ``m`` every rank holds with the same bits, ``(beta1 - rho) m +
+  (1 - beta1) g_i`` (1-bit Adam at ``rho = 0``, the default; the delivered aggregate ``A``
+  makes the new momentum ``rho m + A``); ``"local"`` (sparsifiers) — a velocity per rank
+  (DGC's momentum correction; DDP without masking, FSDP with DGC's). Where the variance is
+  replicated (DDP: ``precondition``) both travel in Adam's preconditioned coordinates,
+  multiplied by ``1 / (sqrt(vhat) + eps)``: the compressor ranks and scales elements by the
+  step Adam would take, not by the raw gradient (whose scale differs by orders of magnitude
+  between an embedding, a LayerNorm and a projection). Each rank's gradient is first
+  multiplied by ``loop.scale`` (:class:`~comms.adam_share.LoopFactor`), the factor the
+  training loop applied to the gradients at the last dense step (``clip_grad_norm_``, a loss
+  scaler's unscale), so the momentum is built in the units the variance was.
 * **What arrives** (DDP): a parameter in momentum space holds its new momentum (``exp_avg``'s
   units) in ``.grad`` after backward.
 * **The step** (an optimizer step pre-hook): every parameter whose bucket went through the
   momentum space this step (:meth:`FrozenVarianceAdam.mark`) takes the frozen-variance step —
   a factor the loop applied to ``.grad`` meanwhile is divided out (it already was in
-  :attr:`scale`); every other parameter with a gradient got the plain dense average and takes
-  AdamW's own step: on a refresh step with the refresh's weight, otherwise
-  ``torch.optim.AdamW``'s step itself, after :func:`~comms.adam_steps.thaw_` (a bucket the auto
-  planner sends dense, a warm-up step, a small bucket: exact AdamW from then on). The
-  optimizer state is always an AdamW state.
+  ``loop.scale``); every other parameter with a gradient got the plain dense average and
+  takes AdamW's own step: on a refresh step with the refresh's weight, otherwise
+  ``torch.optim.AdamW``'s step itself after :func:`~comms.adam_steps.thaw_` (a bucket the auto
+  planner sends dense, a warm-up step, a small bucket: exact AdamW from then on, from a state
+  of AdamW's own).
 
 Every decision is the same on every rank; every operation after a collective is elementwise
 (ARCHITECTURE.md §5).
@@ -250,7 +250,7 @@ class FrozenVarianceAdam:
             if not self.active(step):  # a dense step: the loop's factor on true gradients
                 factor = self.loop.seen(step, self.loop.scale)
                 if factor is not None:
-                    self.loop.scale = factor.to("cpu", torch.float32)
+                    self.loop.scale = factor.to(torch.float32)  # stays on its device: no sync
                 factor = None
             else:  # the factor on delivered momenta: divided out (it is in the scale)
                 factor = self.loop.seen(step, torch.ones(()))
