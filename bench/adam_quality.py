@@ -18,7 +18,7 @@ Rows:
 * ``dense``: plain DDP allreduce;
 * ``SPEC``: ``comms.register(ddp, SPEC, optimizer=opt, algorithm=ALGO)`` with every other
   default: with AdamW and a biased compressor (sign, top-k, random-k) that is the momentum-space
-  scheme (:mod:`comms.adam`); QSGD and fp16 keep the gradient path;
+  scheme (:mod:`comms.core.adam`); QSGD and fp16 keep the gradient path;
 * ``SPEC [gradient path]`` (``--paths gradient``): the same with ``adam_freeze=None``.
 
 **Pinned**: every compressed row is README's usage with ``algorithm="allgather"`` pinned
@@ -164,7 +164,7 @@ def _body(rank: int, world: int, args, rows):
 
 def run_one(args, world: int, seed: int) -> list[dict]:
     """Every row of one cell at one world size and seed, in one set of ranks."""
-    from comms.launch import spawn
+    from comms.cluster.launch import spawn
 
     a = argparse.Namespace(**vars(args))
     a.seed = seed

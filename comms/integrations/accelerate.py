@@ -47,8 +47,7 @@ import re
 
 import torch
 
-from .pairing import find_ddp, register_model, repair_momentum, \
-    warn_no_state
+from .pairing import find_ddp, register_model, repair_momentum, warn_no_state
 from .rank_states import RankStates
 
 __all__ = ["register", "find_ddp", "load_state"]

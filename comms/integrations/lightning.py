@@ -72,9 +72,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.nn.parallel import DistributedDataParallel
 
-from ..register import check_optimizer, take_over_momentum
-from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, \
-    warn_no_state
+from ..core.pairing import check_optimizer, take_over_momentum
+from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, warn_no_state
 from .rank_states import RankStates
 
 __all__ = ["CommpressDDPStrategy", "CHECKPOINT_KEY", "SPEC_ENV", "STRATEGY_NAME"]

@@ -5,7 +5,7 @@ moves into the hook, the optimizer's goes to 0). Frameworks build their optimize
 wrap them (``LightningOptimizer``, Fabric's and Accelerate's wrappers) and sometimes build
 several; :func:`register_paired` applies exactly ``register(..., optimizer=opt)`` to every
 layout they produce, or refuses with the reason. :func:`check_options` validates a spec and
-the options before any process starts (it builds a :class:`~comms.state.CompressionState`,
+the options before any process starts (it builds a :class:`~comms.ddp.state.CompressionState`,
 whose constructor validates without communicating).
 
 Example::
@@ -25,8 +25,9 @@ from typing import Any, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..register import check_optimizer, register, take_over_momentum
-from ..state import CompressionState
+from ..core.pairing import check_optimizer, take_over_momentum
+from ..ddp.registration import register
+from ..ddp.state import CompressionState
 
 __all__ = ["REGISTER_OPTIONS", "check_options", "unwrap_optimizer", "register_paired",
            "repair_momentum", "warn_no_state", "MISSING_STATE", "summary",
@@ -49,7 +50,7 @@ def _register_options() -> tuple[str, ...]:
             names.append(n)
     if var:
         try:
-            from ..options import PipelineOptions
+            from ..core.options import PipelineOptions
         except ImportError:  # an older layout: every option is CompressionState's own
             PipelineOptions = None
         if PipelineOptions is not None:
@@ -74,7 +75,7 @@ def check_options(compressor, options: dict[str, Any]) -> CompressionState:
         options: keyword options of :func:`comms.register` (``algorithm``, ``momentum``, ...).
 
     Returns:
-        A throw-away :class:`~comms.state.CompressionState` built from them (never registered).
+        A throw-away :class:`~comms.ddp.state.CompressionState` built from them (never registered).
 
     Raises:
         TypeError: an unknown option, or an option of the wrong type (naming it).

@@ -72,7 +72,7 @@ def _vhat(opt) -> torch.Tensor:
 def clipped_freeze(rank, world, spec, steps):
     """A summed loss clipped to norm 1.0 every step (Hugging Face Trainer's default
     ``max_grad_norm``): the variance's total is pinned. Returns the freeze step, the gradient
-    norms before clipping, and — from the optimizer state, independently of comms.adam — the
+    norms before clipping, and — from the optimizer state, independently of comms.core.adam — the
     relative change of the variance's total and its per-element relative change after every
     dense step."""
     data = teacher_data()

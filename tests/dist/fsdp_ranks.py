@@ -19,7 +19,7 @@ def pinned(spec, replicated: bool = False, **kw) -> dict:
     """``kw`` with an algorithm that compresses every call (on loopback ``auto`` rightly
     times dense as faster): FSDP's scatter-reduce, or the compressor's first flat HSDP
     algorithm; the parameter all-gather stays full precision unless ``kw`` says otherwise."""
-    from comms.fsdp_state import HSDP_ALGORITHMS, SCATTER_REDUCE
+    from comms.fsdp.state import HSDP_ALGORITHMS, SCATTER_REDUCE
 
     if "algorithm" not in kw:
         c = compressors.from_spec(spec) if isinstance(spec, str) else spec
@@ -91,6 +91,28 @@ def fsdp_run(rank, world, spec, n_steps=20, momentum=0.9, **kw):
 
 def identity_vs_plain(rank, world):
     return fsdp_run(rank, world, None), fsdp_run(rank, world, "identity")
+
+
+def identity_defaults_vs_plain(rank, world, n_steps):
+    """``register(model, "identity")`` with every default against plain FSDP2 (1-D mesh), or
+    with a replicate group against torch's native HSDP (2 x world/2 mesh at 4 ranks)."""
+    hsdp = world == 4
+    out = []
+    for plain in (True, False):
+        if hsdp:
+            mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            mesh, rg = (mesh2 if plain else mesh2["shard"]), mesh2.get_group("replicate")
+        else:
+            mesh, rg = init_device_mesh("cpu", (world,)), None
+        torch.manual_seed(0)
+        model = shard_model(make_model(), mesh)
+        if not plain:
+            comms.fsdp.register(model, "identity", replicate_group=rg)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        steps(model, opt, rank, 0, n_steps, losses)
+        out.append({"local": local_shards(model), "losses": losses})
+    return out
 
 
 def compressed_runs(rank, world, specs):
@@ -210,6 +232,20 @@ def error_cases(rank, world):
     expect("algorithm_in_fsdp_mode", lambda: comms.fsdp.register(model, "sign", algorithm="allgather"))
     expect("mesh_as_group", lambda: comms.fsdp.register(model, "sign", replicate_group=mesh))
     expect("plain_module", lambda: comms.fsdp.register(make_model(), "sign"))
+    # an optimizer of another model: its momentum would be zeroed and the hook's applied here
+    foreign = torch.optim.SGD(make_model(1).parameters(), lr=0.1, momentum=0.9)
+    expect("foreign_optimizer", lambda: comms.fsdp.register(model, "sign", optimizer=foreign))
+    errs["foreign_momentum"] = foreign.param_groups[0]["momentum"]  # untouched
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expect("adam_freeze_sgd", lambda: comms.fsdp.register(model, "topk:density=0.1", optimizer=sgd,
+                                                          adam_freeze=20))
+    errs["sgd_momentum"] = sgd.param_groups[0]["momentum"]  # untouched
+    adamw = torch.optim.AdamW(model.parameters())
+    expect("adam_freeze_qsgd", lambda: comms.fsdp.register(model, "qsgd:bits=4", optimizer=adamw,
+                                                           adam_freeze="auto"))
+    expect("adam_freeze_no_optimizer", lambda: comms.fsdp.register(model, "topk:density=0.1", adam_freeze=10))
+    rg = dist.new_group(list(range(world)))
+    expect("hsdp_powersgd", lambda: comms.fsdp.register(model, "powersgd:rank=1", replicate_group=rg))
     # FSDP1 needs an accelerator to construct; the check only looks at the type
     fake1 = FSDP1.__new__(FSDP1)
     nn.Module.__init__(fake1)

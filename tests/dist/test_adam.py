@@ -7,8 +7,8 @@ bit-exactly before the freeze, after it and after a refresh."""
 import pytest
 import torch
 
-from comms.adam_policy import FREEZE_TOL
-from comms.launch import spawn
+from comms.cluster.launch import spawn
+from comms.core.adam_policy import FREEZE_TOL
 from dist import adam_ranks as A
 
 pytestmark = [pytest.mark.dist]

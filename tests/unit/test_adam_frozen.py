@@ -1,5 +1,5 @@
-"""The optimizer side of Adam's momentum space (comms.adam, comms.adam_steps,
-comms.adam_policy): which compressors go there, the layouts it refuses, the frozen-variance,
+"""The optimizer side of Adam's momentum space (comms.core.adam, adam_steps,
+adam_policy): which compressors go there, the layouts it refuses, the frozen-variance,
 refresh and thaw steps against their closed forms and torch.optim.AdamW's bits, the factor
 the loop applies to ``.grad``, and the freeze and refresh decisions."""
 
@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from comms.adam import FrozenVarianceAdam, momentum_space
-from comms.adam_share import Share
-from comms.adam_policy import VariancePolicy
-from comms.adam_steps import variance_change
+from comms.core.adam import FrozenVarianceAdam, momentum_space
+from comms.core.adam_share import Share
+from comms.core.adam_policy import VariancePolicy
+from comms.core.adam_steps import variance_change
 from compressors import from_spec
 
 B1, B2, EPS, LR, WD = 0.9, 0.99, 1e-8, 1e-2, 0.1

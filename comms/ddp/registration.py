@@ -1,0 +1,139 @@
+"""The DDP entry points: ``make_hook`` (a state and the hook function) and ``register`` (the
+hook on a DDP model, paired with its optimizer: :mod:`comms.core.pairing`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_pairing, give_back_momentum,
+                            pair_optimizer, replica_guard)
+from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
+from .hook import compression_hook
+from .state import CompressionState
+
+__all__ = ["make_hook", "register"]
+
+
+logger = logging.getLogger(__name__)
+
+
+def make_hook(compressor, *, process_group=None, error_feedback: bool | None = None, start_iter: int = 2,
+              **kwargs):
+    """Build ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Args:
+        compressor: a :class:`compressors.Compressor` or a spec string such as
+            ``"topk:density=0.01"``, ``"qsgd:bits=4"``, ``"sign"``.
+        process_group: the group to average over; ``None`` is WORLD. Any subgroup works.
+        error_feedback: keep residuals per bucket; ``None``: on for biased compressors only.
+        start_iter: iterations of plain allreduce first.
+        **kwargs: forwarded to :class:`~comms.ddp.state.CompressionState` (``algorithm``: default ``"auto"``, the per-bucket cost-model planner;
+            ``seed``, ``communicator``, ``min_compress_numel``).
+
+    Example::
+
+        >>> state, hook = comms.make_hook("qsgd:bits=4")
+        >>> ddp_model.register_comm_hook(state, hook)
+    """
+    kwargs.setdefault("algorithm", "auto")  # the cost-model planner (comms.tuning.planner)
+    state = CompressionState(compressor, process_group, error_feedback=error_feedback,
+                             start_iter=start_iter, **kwargs)
+    return state, compression_hook
+
+
+def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
+             optimizer=None, adam_freeze=ADAM_FREEZE_DEFAULT, **kwargs) -> CompressionState:
+    """Register the compression hook on a DDP model and return its state.
+
+    The state is bound to the model's parameter names (``state.bind``), so its bucket
+    layouts survive a restart (bit-exact resume from ``state.state_dict()``).
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model.
+        compressor: a :class:`compressors.Compressor` or a spec string.
+        check_replicas_every: ``N`` > 0 compares the parameters of all ranks (a fingerprint
+            allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
+            backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
+            first differing parameter. ``None``/0: off.
+        optimizer: the training optimizer (recommended; :mod:`comms.core.pairing`): SGD momentum
+            is taken over as the hook's momentum correction (PowerSGD's stays); Adam/AdamW with
+            top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
+        adam_freeze: with such an Adam optimizer: ``"auto"`` (the default: the variance
+            freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
+            gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,
+            not Adam/AdamW, a compressor that keeps the gradient path) is an error.
+        **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
+            :class:`~comms.ddp.state.CompressionState`).
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
+        ValueError: bad compressor spec or options, an optimizer that holds none of the
+            model's trainable parameters, an ``adam_freeze`` that does not apply, or the
+            model already has a hook (before any communication; nothing is registered).
+
+    Example::
+
+        >>> state = comms.register(ddp_model, "topk:density=0.01")
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        hint = ("; for FSDP2 (fully_shard) models use comms.fsdp.register(model, spec)"
+                if _is_fsdp2(ddp_model) else "")
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
+                        f"got {type(ddp_model).__name__}{hint}")
+    if getattr(ddp_model, "_commpress_state", None) is not None:
+        raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
+                         f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
+                         "communication hook per model")
+    sync = take_sync_options(kwargs)
+    if sync is not None:  # communicate every H steps: the gradients stay local in between
+        return _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_replicas_every, kwargs)
+    guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
+    state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs,
+                                  check=lambda probe: check_pairing(probe, optimizer, adam_freeze,
+                                                                    ddp_model.module.named_parameters()))
+    state.bind(ddp_model)
+    state.replica_guard = guard
+    state.adam = adam_pairing(state, optimizer, adam_freeze)  # ValueError before anything changes
+    try:
+        ddp_model.register_comm_hook(state, compression_hook)
+    except RuntimeError as exc:  # DDP refuses a second hook of any kind
+        give_back_momentum(optimizer, taken)  # nothing half-applied
+        if state.adam is not None:
+            state.adam.remove()
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
+                         f"{exc}") from exc
+    ddp_model._commpress_state = state
+    return state
+
+
+def _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_every, kwargs) -> CompressionState:
+    """``register(..., sync_every=H)``: the hook keeps each rank's gradients local; the outer
+    sync (:mod:`comms.outer`) runs after the optimizer's steps."""
+    check_outer_pairing(optimizer, adam_freeze, kwargs, ADAM_FREEZE_DEFAULT)
+    if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                    or check_every < 0):
+        raise ValueError(f"check_replicas_every must be an int >= 0 or None, got {check_every!r}")
+    state = make_hook(compressor, **kwargs)[0]  # validates every option first
+    params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+    state.outer = attach_outer(params, state.comm(), state.compressor, optimizer, sync, check_every, kwargs)
+    state.bind(ddp_model)
+    try:
+        ddp_model.register_comm_hook(state, compression_hook)
+    except RuntimeError as exc:  # DDP refuses a second hook of any kind
+        state.outer.hook_handle.remove()
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
+    ddp_model._commpress_state = state
+    return state
+
+
+def _is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
