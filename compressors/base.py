@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 
+from .configured import Configured
 from .context import Context
 from .memory import PayloadPool, Workspace, block_elems
 
@@ -30,11 +31,13 @@ __all__ = ["FAMILIES", "Compressor"]
 FAMILIES = ("allreduce", "allgather", "two_phase", "shared_scale")
 
 
-class Compressor:
+class Compressor(Configured):
     """Base class. Subclasses set ``name``/``families`` and implement the three methods.
 
+    What identifies a compressor — its ``name`` and ``config()``, the spec string, equality,
+    the example configurations the test matrices run — is :class:`Configured`'s.
+
     Attributes:
-        name: registry name (``compressors.get(name)``).
         families: aggregation families that can move this compressor's payloads.
         lossless: decompress(compress(x)) == x exactly.
         fixed_size: payload shapes depend only on ``ctx.numel`` and ``ctx.shapes`` (no size
@@ -61,7 +64,6 @@ class Compressor:
     (``comms.algorithms.shared_scale``) quantizes with.
     """
 
-    name: ClassVar[str] = "base"
     families: ClassVar[tuple[str, ...]] = ()
     lossless: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
@@ -140,64 +142,12 @@ class Compressor:
         return pool
 
     def block_for(self, device) -> int:
+        """Elements per block of this compressor's blocked paths on ``device``: its ``block``
+        when set (validated here, before any work), else :func:`block_elems`."""
         b = self.block if self.block is not None else block_elems(device)
         if b < 8 or b & (b - 1):
             raise ValueError(f"block must be a power of two >= 8, got {b!r}")
         return b
-
-    def _decode_blocks(self, ctx: Context, out: torch.Tensor, accumulate: bool, device,
-                       decode_block) -> torch.Tensor:
-        """Run ``decode_block(b0, b1, f)`` (fills fp32 ``f`` with elements ``[b0, b1)``) over
-        blocks, writing ``out[b0:b1] = f`` or adding it, with the bits of
-        ``out.copy_(decompress(...))`` / ``out.add_(decompress(...))``: values are rounded to
-        ``ctx.dtype`` first, as ``decompress`` returns them. ``out`` is flat and contiguous."""
-        n = ctx.numel
-        if out.numel() != n:
-            raise ValueError(f"output has {out.numel()} elements, context says {n}")
-        B = self.block_for(device)
-        cap = min(B, n)
-        ws = self.workspace()
-        direct = not accumulate and out.dtype == torch.float32 and ctx.dtype == torch.float32
-        for b0 in range(0, n, B):
-            b1 = min(n, b0 + B)
-            L = b1 - b0
-            f = out[b0:b1] if direct else ws.get("dec.f", cap, torch.float32, device)[:L]
-            decode_block(b0, b1, f)
-            if direct:
-                continue
-            if ctx.dtype != torch.float32:
-                f = ws.get("dec.g", cap, ctx.dtype, device)[:L].copy_(f)
-            if accumulate:
-                out[b0:b1].add_(f)
-            else:
-                out[b0:b1].copy_(f)
-        return out
-
-    def config(self) -> dict:
-        """Constructor arguments, for specs, state dicts and the cross-rank config check."""
-        return {}
-
-    # -- test matrices ----------------------------------------------------------------
-    # tests/unit/test_compressor_roundtrip.py and tests/dist/algo_ranks.py build their cases
-    # from these over compressors.REGISTRY, so a new compressor is tested by registering it
-    @classmethod
-    def examples(cls) -> list["Compressor"]:
-        """A few small representative configurations (e.g. ``[QSGD(8), QSGD(4), QSGD(2)]``):
-        every test matrix runs each of them, the distributed ones with every algorithm the
-        compressor supports, so keep it short. Default: the default configuration."""
-        return [cls()]
-
-    @classmethod
-    def edge_examples(cls) -> list["Compressor"]:
-        """Extra configurations for the single-process round-trip tests only: settings at the
-        edges of the codec (lossless densities, odd chunk sizes). Default: none."""
-        return []
-
-    def spec(self) -> str:
-        cfg = self.config()
-        if not cfg:
-            return self.name
-        return self.name + ":" + ",".join(f"{k}={_fmt(v)}" for k, v in cfg.items())
 
     def warmup(self, fraction: float) -> "Compressor":
         """A milder variant for warm-up step ``fraction`` in (0, 1) of the ramp to this one
@@ -212,19 +162,3 @@ class Compressor:
 
     def supports(self, family: str) -> bool:
         return family in self.families
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({args})"
-
-    def __eq__(self, other) -> bool:
-        return type(self) is type(other) and self.config() == other.config()
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, tuple(sorted(self.config().items()))))
-
-
-def _fmt(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v) if isinstance(v, float) else str(v)

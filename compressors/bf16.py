@@ -20,7 +20,4 @@ class BF16(Cast):
 
     name = "bf16"
 
-    @classmethod
-    def examples(cls):
-        return [cls()]
     wire_dtype = torch.bfloat16

@@ -20,7 +20,4 @@ class FP16(Cast):
 
     name = "fp16"
 
-    @classmethod
-    def examples(cls):
-        return [cls()]
     wire_dtype = torch.float16

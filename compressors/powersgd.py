@@ -48,12 +48,11 @@ import torch
 from .base import Compressor
 from .context import check_input
 from .deferred import Deferred
-from .hashrng import SHARED, stream_key, uniform
+from .powersgd_flat import flat_decode, flat_plan, padded_matrix
 from .powersgd_layers import (LayerDecode, LayerPlan, MaterializedDecode, PowerRound,
-                              build_layer_plan, layer_decode_into, layer_p, layer_q,
-                              matrix_shape, orthogonalize_)
+                              build_layer_plan, layer_decode, layer_p, layer_q, orthogonalize_,
+                              outer_scratch, starting_q)
 from .registry import register
-from .reproducible import OUTER_BLOCK_ELEMS, outer_sum_into
 
 __all__ = ["PowerSGD"]
 
@@ -85,9 +84,7 @@ class PowerSGD(Compressor):
     momentum_correction = False  # the optimizer's momentum on the decoded average
     allreduce_rounds = 2  # the power-iteration protocol: first_round / second_round / decode_round
 
-    @classmethod
-    def examples(cls):
-        return [cls(rank=2)]
+    example_configs = ({"rank": 2},)  # two columns: Gram-Schmidt's cross terms run
 
     def __init__(self, rank: int = 1, warm_start: bool = True, min_compression_rate: float = 2.0):
         if isinstance(rank, bool) or not isinstance(rank, int):
@@ -110,12 +107,8 @@ class PowerSGD(Compressor):
 
     # -- shapes and accounting -------------------------------------------------------
     def plan(self, numel: int) -> tuple[int, int, int] | None:
-        """``(rows, cols, r)``, or ``None`` when the bucket goes dense."""
-        rows, cols = matrix_shape(numel)
-        r = min(self.rank, rows, cols)
-        if numel < 2 or numel < self.min_compression_rate * r * (rows + cols):
-            return None
-        return rows, cols, r
+        """``(rows, cols, r)`` of the flat form, or ``None`` when the bucket goes dense."""
+        return flat_plan(numel, self.rank, self.min_compression_rate)
 
     def wire_bytes(self, numel, dtype=torch.float32):
         pl = self.plan(numel)
@@ -141,56 +134,13 @@ class PowerSGD(Compressor):
             return sum(math.prod(sh) for sh in shapes) * dtype.itemsize
         return 4 * (plan.p_numel + plan.q_numel + plan.dense_numel)
 
-    def _initial_q_layers(self, ctx, plan: LayerPlan) -> torch.Tensor:
-        key = stream_key(ctx.seed, 0 if self.warm_start else ctx.step, ctx.bucket, SHARED)
-        return uniform(plan.q_numel, key, device=ctx.device).sub_(0.5)
-
-    def _outer_scratch(self, cols: int, device) -> torch.Tensor:
-        return self.workspace().get("outer", 2 * max(OUTER_BLOCK_ELEMS, cols), torch.float32, device)
-
-    def decode_layers(self, plan: LayerPlan, pbuf, qbuf, ctx, dense_src=None,
-                      out=None) -> torch.Tensor:
-        """``P Q^T`` of every matrix, and the uncompressed elements (from ``qbuf`` after its
-        factors, or from ``dense_src``), into a fresh flat tensor of ``ctx.dtype`` (or into
-        ``out``, flat and contiguous, of ``ctx.dtype``); rank-reproducible
-        (:func:`~compressors.powersgd_layers.layer_decode_into`)."""
-        if out is None:  # reused memory once unreferenced (a fresh one page-faults: twice a step)
-            out = self.payload_pool().empty(ctx.numel, ctx.dtype, pbuf.device)
-        return layer_decode_into(out, plan, pbuf, qbuf,
-                                 lambda cols: self._outer_scratch(cols, pbuf.device), dense_src)
-
     # -- local round trip (no communication): one power iteration on this rank's M -----
-    def _matrix(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        n = x.numel()
-        if n == rows * cols and x.dtype == torch.float32:
-            return x.reshape(rows, cols)
-        m = torch.zeros(rows * cols, dtype=torch.float32, device=x.device)
-        m[:n] = x
-        return m.view(rows, cols)
-
-    def _initial_q(self, ctx, cols: int, r: int) -> torch.Tensor:
-        # shared stream: the same Q on every rank; a fresh one per step without warm start
-        key = stream_key(ctx.seed, 0 if self.warm_start else ctx.step, ctx.bucket, SHARED)
-        return uniform(cols * r, key, device=ctx.device).sub_(0.5).view(cols, r)
-
     def compress(self, x, ctx):
-        check_input(x)
-        x = x.detach()  # the decode writes with out= ops, which autograd refuses
-        shapes = ctx.known_shapes()
-        if shapes:
-            plan = self.layer_plan(shapes)
-            if plan is None:
-                return [x.reshape(-1)]
-            xf = x.reshape(-1).float()
-            pbuf, mats = layer_p(xf, plan, self._initial_q_layers(ctx, plan))
-            return [pbuf, layer_q(xf, plan, mats, pbuf)]
-        pl = self.plan(x.numel())
-        if pl is None:
-            return [x.reshape(-1)]
-        rows, cols, r = pl
-        m = self._matrix(x, rows, cols)
-        p = orthogonalize_(m @ self._initial_q(ctx, cols, r))
-        return [p, m.t() @ p]
+        # the two rounds with nothing summed between them: the payload is [P, Q payload]
+        rnd = self.first_round(x, ctx, {})
+        if rnd is None:
+            return [x.detach().reshape(-1)]
+        return [rnd.p, self.second_round(rnd)]
 
     def decompress(self, payload, ctx):
         if len(payload) == 1:
@@ -198,14 +148,8 @@ class PowerSGD(Compressor):
         p, q = payload
         shapes = ctx.known_shapes()
         if shapes:
-            return self.decode_layers(self.layer_plan(shapes), p, q, ctx)
-        return self._flat_decode(p, q, ctx)
-
-    def _flat_decode(self, p, q, ctx) -> torch.Tensor:
-        """``P Q^T`` of the flat matrix in a fixed summation order (rank-reproducible)."""
-        m = torch.empty(p.shape[0], q.shape[0], dtype=torch.float32, device=p.device)
-        outer_sum_into(m, p, q.t(), self._outer_scratch(q.shape[0], p.device))
-        return m.reshape(-1)[: ctx.numel].to(ctx.dtype)
+            return layer_decode(self.layer_plan(shapes), p, q, ctx, self.payload_pool(), self.workspace())
+        return flat_decode(p, q, ctx, outer_scratch(self.workspace(), q.shape[0], p.device))
 
     def error_bound(self, x):
         # a projection: |error_ij| <= ||M - P P^T M||_F <= ||M||_F (dense buckets: exact)
@@ -231,18 +175,18 @@ class PowerSGD(Compressor):
             q = store.get("powersgd_q")
             if (not self.warm_start or q is None or q.numel() != plan.q_numel
                     or q.dtype != torch.float32 or q.device != x.device):
-                q = self._initial_q_layers(ctx, plan)
+                q = starting_q(ctx, self.warm_start, plan.q_numel)
             pbuf, mats = layer_p(xf, plan, q)
             return PowerRound(ctx, x, pbuf, plan=plan, mats=mats, xf=xf)
         pl = self.plan(x.numel())
         if pl is None:
             return None
         rows, cols, r = pl
-        m = self._matrix(x, rows, cols)
+        m = padded_matrix(x, rows, cols)
         q = store.get("powersgd_q")
         if (not self.warm_start or q is None or tuple(q.shape) != (cols, r)
                 or q.dtype != torch.float32 or q.device != x.device):
-            q = self._initial_q(ctx, cols, r)
+            q = starting_q(ctx, self.warm_start, cols * r).view(cols, r)
         return PowerRound(ctx, x, m @ q, m=m)
 
     def second_round(self, rnd: "PowerRound") -> torch.Tensor:
@@ -263,9 +207,10 @@ class PowerSGD(Compressor):
         ``own``: ``q_payload`` holds this rank's factors only and the uncompressed elements
         come from its own bucket. Rank-reproducible (fixed summation order)."""
         if rnd.plan is not None:
-            return self.decode_layers(rnd.plan, rnd.p, q_payload, rnd.ctx,
-                                      dense_src=rnd.x.reshape(-1) if own else None)
-        return self._flat_decode(rnd.p, q_payload, rnd.ctx)
+            return layer_decode(rnd.plan, rnd.p, q_payload, rnd.ctx, self.payload_pool(), self.workspace(),
+                                dense_src=rnd.x.reshape(-1) if own else None)
+        scratch = outer_scratch(self.workspace(), q_payload.shape[0], rnd.p.device)
+        return flat_decode(rnd.p, q_payload, rnd.ctx, scratch)
 
     def deferred_decode(self, rnd: "PowerRound", q_payload: torch.Tensor,
                         own: bool = False) -> "Deferred":

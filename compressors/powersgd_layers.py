@@ -1,7 +1,9 @@
-"""PowerSGD's factor math: close-to-square matrix shapes, rank-reproducible Gram-Schmidt,
-the per-layer plan of a bucket (same-shape matrices batched), and one bucket's power
-iteration between its two allreduces (:class:`PowerRound`) with its deferred decode
-(:class:`LayerDecode`). :class:`compressors.PowerSGD` drives them (see its module docstring).
+"""PowerSGD's factor math: close-to-square matrix shapes, the shared starting ``Q``,
+rank-reproducible Gram-Schmidt, the per-layer plan of a bucket (same-shape matrices batched)
+and its decode, and one bucket's power iteration between its two allreduces
+(:class:`PowerRound`) with its deferred decode (:class:`LayerDecode`).
+:class:`compressors.PowerSGD` drives them (see its module docstring); the flat form of a bucket
+without shapes is :mod:`compressors.powersgd_flat`.
 """
 
 from __future__ import annotations
@@ -14,20 +16,37 @@ import torch
 
 from . import cpu_kernels
 from .deferred import Deferred
-from .reproducible import outer_sum_into, tree_dot, tree_norm
+from .hashrng import SHARED, stream_key, uniform
+from .memory import PayloadPool, Workspace
+from .reproducible import OUTER_BLOCK_ELEMS, outer_sum_into, tree_dot, tree_norm
 
 if TYPE_CHECKING:
     from .powersgd import PowerSGD
 
-__all__ = ["matrix_shape", "orthogonalize_", "orthogonalize_batched_", "LayerGroup", "LayerPlan",
-           "build_layer_plan", "batch_view", "p_view", "q_view", "layer_p", "layer_q",
-           "layer_decode_into", "PowerRound", "MaterializedDecode", "LayerDecode"]
+__all__ = ["matrix_shape", "starting_q", "outer_scratch", "orthogonalize_", "orthogonalize_batched_",
+           "LayerGroup", "LayerPlan", "build_layer_plan", "batch_view", "p_view", "q_view", "layer_p",
+           "layer_q", "layer_decode_into", "layer_decode", "PowerRound", "MaterializedDecode",
+           "LayerDecode"]
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
     """``(rows, cols)`` close to square with ``rows * cols >= numel``."""
     cols = max(1, math.isqrt(max(numel - 1, 0)) + 1) if numel > 1 else 1
     return -(-numel // cols), cols
+
+
+def starting_q(ctx, warm_start: bool, numel: int) -> torch.Tensor:
+    """The ``Q`` factors a bucket starts from (flat, ``numel`` elements, uniform in
+    [-0.5, 0.5)): the shared stream, so every rank holds the same ``Q``; with ``warm_start``
+    one stream for every step (later steps start from the kept sum), else a fresh one per step."""
+    key = stream_key(ctx.seed, 0 if warm_start else ctx.step, ctx.bucket, SHARED)
+    return uniform(numel, key, device=ctx.device).sub_(0.5)
+
+
+def outer_scratch(ws: Workspace, cols: int, device) -> torch.Tensor:
+    """:func:`outer_sum_into`'s scratch for ``cols`` columns from ``ws``, sized so that it is
+    never grown (at most two row blocks of ``max(OUTER_BLOCK_ELEMS, cols)`` elements)."""
+    return ws.get("outer", 2 * max(OUTER_BLOCK_ELEMS, cols), torch.float32, device)
 
 
 def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -187,6 +206,16 @@ def layer_decode_into(out: torch.Tensor, plan: LayerPlan, pbuf: torch.Tensor, qb
     return out
 
 
+def layer_decode(plan: LayerPlan, pbuf: torch.Tensor, qbuf: torch.Tensor, ctx, pool: PayloadPool,
+                 ws: Workspace, dense_src=None, out=None) -> torch.Tensor:
+    """:func:`layer_decode_into` a fresh flat tensor of ``ctx.dtype`` from ``pool`` (or into
+    ``out``, flat and contiguous, of ``ctx.dtype``), with the outer-product scratch from ``ws``."""
+    if out is None:  # reused memory once unreferenced (a fresh one page-faults: twice a step)
+        out = pool.empty(ctx.numel, ctx.dtype, pbuf.device)
+    return layer_decode_into(out, plan, pbuf, qbuf, lambda cols: outer_scratch(ws, cols, pbuf.device),
+                             dense_src)
+
+
 class PowerRound:
     """One bucket's power iteration between the two allreduces (see :meth:`PowerSGD.first_round`).
 
@@ -229,14 +258,19 @@ class LayerDecode(Deferred):
     def _dense_src(self):
         return self.rnd.x.reshape(-1) if self.own else None
 
+    def _decode(self, out=None) -> torch.Tensor:
+        c, rnd = self.c, self.rnd
+        return layer_decode(rnd.plan, rnd.p, self.qbuf, rnd.ctx, c.payload_pool(), c.workspace(),
+                            self._dense_src(), out)
+
     def materialize(self) -> torch.Tensor:
-        return self.c.decode_layers(self.rnd.plan, self.rnd.p, self.qbuf, self.rnd.ctx, self._dense_src())
+        return self._decode()
 
     def into_(self, out: torch.Tensor) -> torch.Tensor:
         flat = out.view(-1) if out.is_contiguous() else None
         if flat is None or out.dtype != torch.float32 or flat.numel() != self.rnd.ctx.numel:
             return out.copy_(self.materialize())
-        self.c.decode_layers(self.rnd.plan, self.rnd.p, self.qbuf, self.rnd.ctx, self._dense_src(), out=flat)
+        self._decode(flat)
         return out
 
     def residual_(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

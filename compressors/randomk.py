@@ -86,13 +86,9 @@ class RandomK(Compressor):
     # of the momentum task (oddconv: 6e6x and 3.0x dense's loss)
     default_warmup_steps = 0
 
-    @classmethod
-    def examples(cls):
-        return [cls(0.1)]
-
-    @classmethod
-    def edge_examples(cls):  # lossless at density 1; another index stream
-        return [cls(0.01, seed=2), cls(1.0)]
+    example_configs = ({"density": 0.1},)
+    # another index stream; lossless at density 1
+    edge_configs = ({"density": 0.01, "seed": 2}, {"density": 1.0})
 
     def __init__(self, density: float = 0.01, seed: int = 0):
         self.density = check_density(density)

@@ -26,6 +26,7 @@ from .scaled_codes import ScaledCodesDecoder
 from .context import check_align, check_chunk, check_input
 from .memory import chunk_pieces, numpy_view
 from .bitpack import pack, packed_nbytes, unpack
+from .blocked_decode import decode_blocks
 from . import cpu_kernels
 from .cuda import dispatch as cuda_dispatch
 from .registry import register
@@ -92,13 +93,7 @@ class ScaledSign(ScaledCodesDecoder):
     name = "sign"
     families = ("allgather", "two_phase")
 
-    @classmethod
-    def examples(cls):
-        return [cls()]
-
-    @classmethod
-    def edge_examples(cls):  # a chunk that does not divide the block
-        return [cls(chunk=5)]
+    edge_configs = ({"chunk": 5},)  # a chunk that does not divide the block
 
     # 128: one scale per 128 signs (1.25 bits/element). On the digits MLP (bench/demo.py, 2
     # ranks, 600 steps, SGD momentum 0.9) chunk 64/128/256/512/2048 reached 0.80/1.08/2.2/5.9/50x
@@ -243,7 +238,7 @@ class ScaledSign(ScaledCodesDecoder):
                 else:
                     fs.mul_(s[ci])
 
-        return self._decode_blocks(ctx, out, accumulate, packed.device, block)
+        return decode_blocks(ws, self.block_for(packed.device), ctx, out, accumulate, packed.device, block)
 
     def error_bound(self, x):
         """``|x| + s`` per element (plus the rounding of the decoded value for fp16/bf16)."""

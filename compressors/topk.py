@@ -55,13 +55,10 @@ class TopK(Compressor):
     # two_phase 1.091 -> 1.070
     default_warmup_steps = 5
 
-    @classmethod
-    def examples(cls):
-        return [cls(0.05)]
-
-    @classmethod
-    def edge_examples(cls):  # lossless at density 1; the sampled threshold
-        return [cls(0.01), cls(0.05, exact=False, sample=0.02), cls(1.0)]
+    example_configs = ({"density": 0.05},)
+    # the sampled threshold; lossless at density 1
+    edge_configs = ({"density": 0.01}, {"density": 0.05, "exact": False, "sample": 0.02},
+                    {"density": 1.0})
 
     def __init__(self, density: float = 0.01, exact: bool = True, sample: float = 0.01):
         self.density = check_density(density)

@@ -17,6 +17,7 @@ chunk zero-padded so every chunk payload has the same byte size):
 4. ``all_gather`` the owners' payloads; every rank, the owner too, decodes every owner's
    payload — so all ranks hold the same bits.
 
+The chunks, their contexts and their wire layout are :mod:`comms.algorithms.chunk_layout`'s.
 When the context knows the bucket's parameter shapes, each chunk's context carries the tensor
 pieces it holds (:func:`chunk_shapes`), so a tensor-aligned codec (sign, QSGD) restarts its
 scales at every tensor inside a chunk, as it does on the other algorithms; chunks that hold
@@ -40,9 +41,7 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 
 import torch
 
@@ -51,100 +50,22 @@ from compressors.deferred import Deferred
 
 from . import cuda_kernels as cuda_dispatch, buffers
 from .base import Algorithm, PLAIN, Want, hand_over, round_wait
+from .chunk_layout import ChunkWire, chunk_context, chunk_of, chunk_shapes
 from .layout_check import HEADER_BYTES, check_same_layout
-from .wire import from_bytes, layout_of, nbytes_of, to_bytes
+from .wire import layout_of
 
-__all__ = ["TwoPhase", "two_phase", "OwnerChunks", "chunk_context", "chunk_shapes", "ChunkWire", "scatter_send", "decode_sum", "two_phase_error_bound"]
+# re-exported: the chunk layout is this algorithm's (scatter_reduce shares its first half), and
+# callers name it as two_phase's
+__all__ = ["TwoPhase", "two_phase", "OwnerChunks", "chunk_context", "chunk_shapes", "ChunkWire", "scatter_send",
+           "decode_sum", "two_phase_error_bound"]
 
 logger = logging.getLogger(__name__)
 
 _RESIDUAL = "two_phase_residual"
 
 
-def chunk_shapes(ctx, world: int, j: int) -> tuple:
-    """The pieces of the bucket's tensors that chunk ``j`` holds, as 1-D shapes (the zero
-    padding of a short last chunk is a piece of its own), so that a tensor-aligned compressor
-    (``align="tensor"``) restarts its scales at every tensor inside the chunk too; ``()`` when
-    the context knows no shapes or the chunk lies inside one tensor (the flat layout)."""
-    shapes = ctx.known_shapes()
-    return _pieces(shapes, ctx.numel, world, j) if len(shapes) >= 2 else ()
-
-
-@functools.lru_cache(maxsize=1024)  # the same few (bucket, world, chunk) every step
-def _pieces(shapes: tuple, numel: int, world: int, j: int) -> tuple:
-    m = -(-numel // world)
-    lo, hi = j * m, (j + 1) * m
-    pieces, e = [], 0
-    for sh in shapes:
-        n = math.prod(sh)
-        a, b = max(lo, e), min(hi, e + n)
-        if b > a:
-            pieces.append((b - a,))
-        e += n
-    if hi > numel:
-        pieces.append((hi - max(lo, numel),))
-    return tuple(pieces) if len(pieces) > 1 else ()
-
-
-def chunk_context(ctx, world: int, phase: int, j: int, rank: int):
-    """The context of chunk ``j`` in ``phase`` (1: scatter, 2: owner re-compression): its
-    own stream key and the tensor pieces it holds (:func:`chunk_shapes`)."""
-    m = -(-ctx.numel // world)
-    return ctx.with_(numel=m, bucket=((ctx.bucket * 2 + phase - 1) * world + j) & 0xFFFFFFFF, rank=rank,
-                     shapes=chunk_shapes(ctx, world, j))
-
-
-class ChunkWire:
-    """The payload layout every chunk takes on the wire and each chunk's own layout.
-
-    Chunks that hold different tensor pieces can have payloads of different sizes (a
-    tensor-aligned codec has a scale more per piece); on the wire every payload tensor is
-    zero-padded to its largest size over the chunks, so all chunk payloads have the same byte
-    size (an ``all_to_all`` / ``all_gather`` of equal blocks), and cut back to the chunk's own
-    layout before decoding. Every rank derives the same layouts from the same shapes.
-    """
-
-    __slots__ = ("wire", "chunks", "nbytes")
-
-    def __init__(self, chunks: list):
-        first = chunks[0]
-        if any(len(c) != len(first) or any(dt != d0 for (_, dt), (_, d0) in zip(c, first)) for c in chunks):
-            raise RuntimeError("two_phase: chunk payloads differ in their tensors' count or dtypes")
-        self.chunks = tuple(chunks)
-        self.wire = tuple((max(c[k][0] for c in chunks), first[k][1]) for k in range(len(first)))
-        self.nbytes = nbytes_of(self.wire)
-
-    def write(self, payload, out: torch.Tensor) -> None:
-        """``payload``'s bytes into ``out`` (``nbytes``), each tensor zero-padded to the wire."""
-        if layout_of(payload) == self.wire:
-            to_bytes(payload, out=out)
-            return
-        off = 0
-        for t, (n, dt) in zip(payload, self.wire):
-            nb = n * dt.itemsize
-            raw = t.contiguous().reshape(-1).view(torch.uint8)
-            out[off: off + raw.numel()].copy_(raw)
-            out[off + raw.numel(): off + nb].zero_()
-            off += nb
-
-    def read(self, buf: torch.Tensor, j: int) -> list:
-        """Chunk ``j``'s payload from its wire bytes (views, cut to the chunk's own layout)."""
-        parts = from_bytes(buf, self.wire)
-        return [p[:n] for p, (n, _) in zip(parts, self.chunks[j])]
-
-
 def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _chunk(x: torch.Tensor, j: int, m: int) -> torch.Tensor:
-    lo, hi = j * m, min(x.numel(), (j + 1) * m)
-    if hi - lo == m:
-        return x[lo:hi]
-    out = x.new_zeros(m)
-    if hi > lo:
-        out[: hi - lo] = x[lo:hi]
-    return out
 
 
 def _owner_ef(compressor) -> bool:
@@ -182,7 +103,7 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None, exa
     if exact_own and (world < 2 or len(ctx.known_shapes()) >= 2):
         raise ValueError("scatter_send: exact_own needs world >= 2 and a flat context (no tensor pieces)")
     sent = [j for j in range(world) if not (exact_own and j == rank)]
-    payloads = {j: compressor.compress(_chunk(x, j, m), chunk_context(ctx, world, 1, j, rank))
+    payloads = {j: compressor.compress(chunk_of(x, j, m), chunk_context(ctx, world, 1, j, rank))
                 for j in sent}
     # a chunk's layout depends on its size and tensor pieces only: the same on every rank
     layout = ChunkWire([layout_of(payloads[j if j in payloads else sent[0]]) for j in range(world)])
@@ -201,7 +122,7 @@ def scatter_send(comm, compressor, x, ctx, tail: torch.Tensor | None = None, exa
     for j, p in payloads.items():
         compressor.decompress_into(p, chunk_context(ctx, world, 1, j, rank), own[j * m:(j + 1) * m])
     if exact_own:
-        own[rank * m:(rank + 1) * m].copy_(_chunk(x, rank, m))
+        own[rank * m:(rank + 1) * m].copy_(chunk_of(x, rank, m))
     return fut, own, layout, nb, stride
 
 
@@ -331,7 +252,7 @@ def two_phase_error_bound(compressor, xs, dtype=None) -> torch.Tensor:
     eps = torch.finfo(dtype).eps
     parts = []
     for j in range(world):
-        chunks = [_chunk(x, j, m) for x in xs]
+        chunks = [chunk_of(x, j, m) for x in xs]
         b1 = sum(compressor.error_bound(c).double() for c in chunks)
         absx = sum(c.double().abs() for c in chunks)
         y = sum(c.double() for c in chunks)

@@ -23,6 +23,7 @@ from ..core.engine import BEFORE_START, Call, Sink, run
 from ..core.stages import local_
 from ..transport.errors import clean_message, where
 from ..transport.futures import completed, stream_mark, wait_mark, when_all
+from .outer_switch import maybe_switch_to_outer
 from .state import CompressionState
 
 __all__ = ["compression_hook", "dense_allreduce", "DDPSink"]
@@ -234,6 +235,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if state.outer is not None:  # communicate every H steps: this rank's own gradient, unaveraged
         return completed(buf)
     comm = _begin_bucket(state, bucket, buf, index, step)
+    if index == 0 and state.auto_outer is not None and maybe_switch_to_outer(state, state.numel, buf.dtype):
+        return completed(buf)  # the outer sync from this step on: this rank's own gradient
     if comm.world_size == 1 or buf.numel() == 0:
         mbar = _shared_momentum(state, bucket, step)
         if mbar is not None:

@@ -48,16 +48,11 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
              optimizer=None, adam_freeze=ADAM_FREEZE_DEFAULT, **kwargs) -> CompressionState:
     """Register the compression hook on a DDP model and return its state.
 
-    The state is bound to the model's parameter names (``state.bind``), so its bucket
-    layouts survive a restart (bit-exact resume from ``state.state_dict()``).
-
     Args:
         ddp_model: the ``DistributedDataParallel`` model.
         compressor: a :class:`compressors.Compressor` or a spec string.
-        check_replicas_every: ``N`` > 0 compares the parameters of all ranks (a fingerprint
-            allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
-            backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
-            first differing parameter. ``None``/0: off.
+        check_replicas_every: ``N`` > 0: :func:`comms.check_replicas` every ``N`` steps (with
+            the outer sync: the synced parameters every ``N`` syncs); ``None``/0: off.
         optimizer: the training optimizer (recommended; :mod:`comms.core.pairing`): SGD momentum
             is taken over as the hook's momentum correction (PowerSGD's stays); Adam/AdamW with
             top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
@@ -65,14 +60,15 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
             gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,
             not Adam/AdamW, a compressor that keeps the gradient path) is an error.
-        **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
-            :class:`~comms.ddp.state.CompressionState`).
+        **kwargs: as :func:`make_hook` (:class:`~comms.ddp.state.CompressionState`); the outer
+            sync's ``sync_every=H`` (``0``: never; default: ``auto`` may choose it),
+            ``sync_fragments``, ``sync_delay``, ``outer``, ``outer_lr``, ``outer_momentum``
+            (:mod:`comms.outer`).
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
-        ValueError: bad compressor spec or options, an optimizer that holds none of the
-            model's trainable parameters, an ``adam_freeze`` that does not apply, or the
-            model already has a hook (before any communication; nothing is registered).
+        ValueError: a bad spec or option, an optimizer of another model, an ``adam_freeze`` that
+            does not apply, a model with a hook already (nothing is registered).
 
     Example::
 
@@ -87,7 +83,7 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
-    sync = take_sync_options(kwargs)
+    sync, auto_outer = take_sync_options(kwargs)
     if sync is not None:  # communicate every H steps: the gradients stay local in between
         return _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_replicas_every, kwargs)
     guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
@@ -97,6 +93,7 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
     state.bind(ddp_model)
     state.replica_guard = guard
     state.adam = adam_pairing(state, optimizer, adam_freeze)  # ValueError before anything changes
+    _allow_outer(state, ddp_model, optimizer, auto_outer, check_replicas_every, taken)
     try:
         ddp_model.register_comm_hook(state, compression_hook)
     except RuntimeError as exc:  # DDP refuses a second hook of any kind
@@ -107,6 +104,14 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
                          f"{exc}") from exc
     ddp_model._commpress_state = state
     return state
+
+
+def _allow_outer(state, ddp_model, optimizer, auto_outer, check_every, taken) -> None:
+    """What ``auto`` needs to switch to the outer sync later (:mod:`comms.ddp.outer_switch`)."""
+    params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+    state.numel = sum(p.numel() for p in params)
+    if auto_outer and state.algorithm == "auto" and optimizer is not None:
+        state.auto_outer = (optimizer, params, check_every, taken)
 
 
 def _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_every, kwargs) -> CompressionState:

@@ -123,10 +123,12 @@ class CompressionState(GradientState):
     __slots__ = (
         "process_group", "communicator", "iter", "algorithm", "planner", "router", "min_compress_numel",
         "dense_calls", "layout_tracker", "param_names", "config_check", "flags", "_warned_nonfinite", "outer",
+        "auto_outer", "numel",
         "__weakref__",
     )
 
-    _TRANSIENT = GradientState._TRANSIENT + ("process_group", "communicator", "config_check", "flags")
+    _TRANSIENT = GradientState._TRANSIENT + ("process_group", "communicator", "config_check", "flags",
+                                             "auto_outer")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, start_iter: int = 2,
@@ -152,6 +154,10 @@ class CompressionState(GradientState):
         self.param_names: dict[int, str] = {}  # data_ptr -> name, filled by bind()
         self._warned_nonfinite = False
         self.outer = None  # comms.outer.OuterSync with register(..., sync_every=H)
+        # auto may switch to the outer sync (comms.ddp.outer_switch): (optimizer, parameters,
+        # replica-check interval, momentum taken over) until decided; None: it will not
+        self.auto_outer = None
+        self.numel = 0  # the model's trainable elements (set by register)
         self._new_helpers()
 
     def _reset_transient(self) -> None:

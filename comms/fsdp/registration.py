@@ -173,18 +173,17 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
     Call after ``fully_shard`` and before the first backward, on every rank with the same
-    arguments; everything is validated before anything changes.
+    arguments; everything is validated first. HSDP ``sync_every=H``: :mod:`comms.outer`.
 
     Args:
         model: the root module, after ``fully_shard`` was applied to it and/or its children.
         compressor: a :class:`compressors.Compressor` or a spec (``"topk:density=0.01"``).
         replicate_group: ``None``: FSDP mode. A ``ProcessGroup``: HSDP mode — ``model`` is 1-D
-            ``fully_shard`` over the shard group; the shards are all-reduced across this group.
+            ``fully_shard`` over the shard group; the shards are reduced across this group.
         algorithm: ``"auto"`` (``None``, the default): per module, dense or compressed by
             measured calls; compressed on every call: ``"scatter_reduce"`` (FSDP) or
             ``"allreduce"``, ``"allgather"``, ``"two_phase"`` (HSDP).
-        params: the parameter all-gather (:mod:`comms.fsdp.params`): ``"auto"`` (default),
-            ``"full"``, ``"int8"``, ``"int4"``.
+        params: the parameter all-gather (:mod:`comms.fsdp.params`): ``"auto"``, ``"full"``, ``"int8"``, ``"int4"``.
         optimizer, adam_freeze: paired as :func:`comms.register` does (:mod:`comms.core.pairing`).
         check_replicas_every: ``N`` > 0 compares parameters every ``N`` steps (HSDP: the
             replicas' shards; FSDP: the gathered parameters); ``None``/0: off.
@@ -193,7 +192,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     Raises:
         TypeError: an FSDP1 model, no FSDP2 module, a bad option type.
         ValueError: an unsupported compressor or option; a module with several parameter
-            groups, on native 2-D HSDP, or with a commpress or custom comm hook already.
+            groups, on native 2-D HSDP, or with a commpress or custom hook already.
 
     Example::
 
@@ -202,7 +201,7 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
         ...                             replicate_group=mesh.get_group("replicate"))
     """
     _check_model(model)
-    sync = take_sync_options(options)
+    sync, _auto = take_sync_options(options)  # auto's outer sync: DDP only
     if sync is not None:  # HSDP, communicating every H steps across the replicas
         return _register_outer(model, compressor, replicate_group, optimizer, adam_freeze, sync,
                                check_replicas_every, dict(options, algorithm=algorithm, params=params))

@@ -16,16 +16,19 @@ _PER_STEP = ("momentum", "momentum_masking", "clip_norm", "warmup_steps", "start
 _PSEUDO = ("error_feedback", "seed", "timeout", "residual_bound", "algorithm")
 
 
-def take_sync_options(kwargs: dict) -> dict | None:
-    """Remove the outer-sync keywords from ``kwargs``; ``None`` when ``sync_every`` is not set
-    (the others then are an error)."""
+def take_sync_options(kwargs: dict) -> tuple[dict | None, bool]:
+    """Remove the outer-sync keywords from ``kwargs``; returns ``(sync, auto)``: ``sync`` the
+    keywords when ``sync_every=H`` pins the outer sync, else ``None``; ``auto``: whether
+    ``algorithm="auto"`` may choose it (``sync_every`` left out or ``"auto"``; ``0``: never).
+    Other outer-sync keywords without a pinned ``sync_every`` are an error."""
     present = {k: kwargs.pop(k) for k in SYNC_OPTIONS if k in kwargs}
-    if present.get("sync_every") is None:
-        if any(v is not None for v in present.values()):
-            raise ValueError(f"{sorted(k for k, v in present.items() if v is not None)} configure the "
-                             "outer sync: pass sync_every=H too")
-        return None
-    return present
+    every = present.get("sync_every")
+    if every in (None, "auto", 0) and not isinstance(every, bool):
+        extra = sorted(k for k, v in present.items() if k != "sync_every" and v is not None)
+        if extra:
+            raise ValueError(f"{extra} configure the outer sync: pass sync_every=H too")
+        return None, every != 0
+    return present, False
 
 
 def check_outer_pairing(optimizer, adam_freeze, options: dict, default_freeze) -> None:

@@ -55,7 +55,8 @@ decision, drains in equal shares: no gradient mass is lost and none arrives as a
 
 Modules: this one holds the trial schedule (rounds, what each step runs, when to lock);
 :mod:`comms.tuning.autotune_rules` the statistics, :mod:`comms.tuning.retune_watch` the watchdog,
-:mod:`comms.tuning.autotune_state` checkpointing and :mod:`comms.tuning.autotune_report` what is printed.
+:mod:`comms.tuning.step_seconds` the agreed timings, :mod:`comms.tuning.autotune_state`
+checkpointing and :mod:`comms.tuning.autotune_report` what is printed.
 
 Example::
 
@@ -81,8 +82,9 @@ from .autotune_report import format_tuner, lock_summary
 from .autotune_rules import MIN_GAIN_S, DecisionRules, beats, choose_rule
 from .autotune_state import load_tuner_state, tuner_state
 from .retune_watch import Watchdog
-from ..transport.errors import advice
+from .step_seconds import MAX_STEP_SECONDS, MIN_STEP_SECONDS, check_step_seconds
 
+# the step-seconds names are re-exported: the timings the tuner decides on are checked there
 __all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "MAX_STEP_SECONDS",
            "MIN_STEP_SECONDS"]
 
@@ -97,34 +99,6 @@ def _int_option(name: str, value, low: int) -> int:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value!r}")
     return value
-
-
-# no step of any training lasts this long: an agreed value beyond it is not a timing
-MAX_STEP_SECONDS = 1e6
-# nor this short (a step runs a backward and a collective: microseconds at the least); gloo's
-# garbage after a peer died is often zeros, and a zero timing reached the rules' log-ratios
-# as "math domain error" (a rank killed during the trials)
-MIN_STEP_SECONDS = 1e-9
-
-
-def check_step_seconds(values: list[float], what: str) -> list[float]:
-    """``values`` (agreed step seconds, NaN = no sample) if each is NaN or in
-    ``[MIN_STEP_SECONDS, MAX_STEP_SECONDS)``; else raise.
-
-    Once a peer has died, gloo can hand a collective back with garbage instead of an error;
-    decided on, garbage timings fail deep in the rules (``statistics`` overflows on 1e300)
-    with a message that names nothing.
-
-    Raises:
-        RuntimeError: ``"<what> returned ... : a peer died or disconnected ...; <advice>"``,
-            the advice (restart from the last checkpoint) every failed collective ends with.
-    """
-    bad = [v for v in values if not math.isnan(v) and not MIN_STEP_SECONDS <= v < MAX_STEP_SECONDS]
-    if bad:
-        raise RuntimeError(f"{what} returned {bad[0]!r} where step seconds belong: a peer died or "
-                           "disconnected (gloo can hand back garbage instead of an error); this "
-                           f"step's results are discarded; {advice()}")
-    return values
 
 
 class Autotuner(DecisionRules, Watchdog):

@@ -1,8 +1,11 @@
-"""``state.plan``: the per-bucket decisions of the ``auto`` planner as a table.
+"""The ``auto`` planner's per-bucket rows and ``state.plan``, the table of them.
 
-One row per bucket (its size, what it runs now, every candidate's predicted time, why), then
-the autotuner's trial table, the model's predicted step time beyond dense next to the
-measured one for each tried rule, the topology and the cost model.
+A bucket's row is decided once from the cost model (:func:`decide_row`: every candidate's
+predicted time, the cheapest, or why the bucket stays dense); what a whole-step rule runs for
+it follows from the row alone (:func:`apply_rule`). ``str(state.plan)`` prints one row per
+bucket (its size, what it runs now, every candidate's predicted time, why), then the
+autotuner's trial table, the model's predicted step time beyond dense next to the measured
+one for each tried rule, the topology and the cost model.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ..algorithms import DENSE
 from .autotune import MODEL, Autotuner
 from .cost_model import CostModel
 
-__all__ = ["Plan", "PlanRow"]
+__all__ = ["Plan", "PlanRow", "decide_row", "apply_rule"]
 
 
 @dataclass
@@ -30,6 +33,45 @@ class PlanRow:
     reason: str
     predicted: dict = field(default_factory=dict)  # candidate -> seconds
     model_choice: str = ""  # the cost model's own pick (``chosen`` without a tuner)
+
+
+def decide_row(model: CostModel | None, compressor, bucket: int, numel: int, dtype: torch.dtype,
+               ndims: Sequence[int] | None, candidates: Sequence[str], min_numel: int,
+               margin: float) -> PlanRow:
+    """The row of one bucket: every candidate's predicted time and the cost model's pick —
+    the cheapest compressed candidate when it beats dense by ``margin`` (ties keep the earlier
+    candidate), else dense; small buckets (``< min_numel``) and buckets of only 1-D tensors
+    (``ndims``) stay dense whatever the model says."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    row = PlanRow(bucket, numel, dtype, nbytes, DENSE, "cheapest")
+    if model is None:
+        row.reason = "no cost model (one rank or not set up)"
+        return row
+    row.predicted = model.candidates(compressor, numel, dtype, candidates)
+    if numel < min_numel:
+        row.reason = f"small (< {min_numel} elements)"
+        return row
+    if ndims is not None and len(ndims) and max(ndims) <= 1:
+        row.reason = "1-D tensors only"
+        return row
+    dense_t = row.predicted[DENSE]
+    best, best_t = DENSE, dense_t
+    for name, t in row.predicted.items():  # insertion order: ties keep the earlier one
+        if name != DENSE and t < best_t and t < dense_t * (1 - margin):
+            best, best_t = name, t
+    row.chosen = best
+    return row
+
+
+def apply_rule(rule: str, row: PlanRow) -> str:
+    """What the whole-step ``rule`` runs for the bucket of ``row``: the model's pick under
+    ``"model"``; the rule's algorithm where the bucket is planned and it is a candidate; else
+    dense (small, 1-D and unplanned buckets stay dense under every rule)."""
+    if rule == MODEL:
+        return row.chosen
+    if rule == DENSE or row.reason != "cheapest" or rule not in row.predicted:
+        return DENSE  # small, 1-D, unplanned buckets, or not a candidate here
+    return rule
 
 
 class Plan:

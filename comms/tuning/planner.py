@@ -20,9 +20,11 @@ plans for a few steps each, times the real steps, agrees on the times across ran
 in the fastest (dense unless a compressed plan is >= 3% faster). The locked rule is saved in
 the hook state's ``state_dict`` (a resumed run does not re-tune; ``state.retune()`` does).
 
-Why one module of ~350 lines: the per-bucket rows, the per-step rule and its persistence
-share the planner's bookkeeping (seen buckets, saved decisions, the locked rule); the model
-arithmetic is in cost_model.py, the measuring in probe.py, the timed trials in autotune.py.
+Modules: this one holds the planner's bookkeeping (seen buckets, their rows, saved decisions,
+the locked rule) and its persistence; a bucket's row and what a rule runs for it are
+plan_table.py's, the ranking of rules for the tuner rule_ranking.py's, the agreed step times
+step_seconds.py's; the model arithmetic is in cost_model.py, the measuring in probe.py, the
+timed trials in autotune.py.
 
 Example::
 
@@ -36,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import replace
 from typing import Iterable, Sequence
@@ -46,13 +47,14 @@ import torch
 from compressors import Compressor
 
 from ..algorithms import ALGORITHMS, DENSE, get_algorithm
-from .autotune import MODEL, Autotuner, check_step_seconds
-from .autotune_rules import MIN_GAIN_S
-from ..transport.communicator import Communicator, allreduce_max
-from .cost_model import CostModel, TierCost
+from .autotune import MODEL, Autotuner
+from ..transport.communicator import Communicator
+from .cost_model import CostModel
 from ..transport.errors import where
 from .probe import PROBE_SIZES, probe, refine
-from .plan_table import Plan, PlanRow
+from .plan_table import Plan, PlanRow, apply_rule, decide_row
+from .rule_ranking import propose_rules, tie_preference
+from .step_seconds import agree_step_seconds
 from ..cluster.topology import Topology, tiered_communicator
 
 __all__ = ["Planner", "Plan", "PlanRow", "DENSE", "MODEL"]
@@ -132,7 +134,6 @@ class Planner:
         self._seen_prev: list[tuple] = []  # bucket keys of the previous step
         self._seen_cur: list[tuple] = []
         self._saved: dict[tuple, str] = {}  # restored decisions of a locked plan
-        self._used: dict[int, str] = {}  # bucket index -> algorithm it ran last
 
     # -- setup (collective) ---------------------------------------------------------------
     def setup(self, comm: Communicator, process_group=None) -> Communicator:
@@ -161,7 +162,6 @@ class Planner:
         The ``warmup_steps`` from ``start_iter`` (the compressor's ramp) are not counted.
         """
         now = time.perf_counter()  # first: the step's clock must not include our probes
-        self._step, self._bucket0 = step, (numel, dtype)
         self._seen_prev, self._seen_cur = self._seen_cur, []
         if step < start_iter or not self.ready:
             return
@@ -181,39 +181,23 @@ class Planner:
         self.tuner.count_from = start_iter + warmup_steps
         was_locked = self.tuner.locked
         keys = list(dict.fromkeys(self._seen_prev + [(0, numel, dtype)]))
-        self.tuner.begin_step(step, now, lambda: self._propose(keys), self._agree)
+
+        def propose() -> list[str]:  # once per trial phase: compressed rules, best predicted first
+            if self.model is None:
+                return []
+            return propose_rules([self._row(k) for k in keys], self.candidate_names())
+
+        def agree(values: list[float]) -> list[float]:  # the MAX over ranks, checked (collective)
+            # issued in the hook's call for bucket 0 (errors name it like every per-bucket collective)
+            what = where(self.comm, "autotune timing MAX-allgather", 0, numel, dtype, step)
+            return agree_step_seconds(self.comm, values, what)
+
+        self.tuner.begin_step(step, now, propose, agree)
         if self.tuner.locked and not was_locked:
             if self.comm is None or self.comm.rank == 0:
                 logger.info("commpress (step %d): %s", step, self.tuner.lock_summary())
                 logger.debug("commpress autotune trial table:\n%s", self.tuner)
             self._logged = False  # log the plan again under the locked rule
-
-    def _agree(self, values: list[float]) -> list[float]:
-        """The element-wise MAX over ranks of the tuner's step seconds, checked (collective)."""
-        # issued in the hook's call for bucket 0 (errors name it like every per-bucket collective)
-        numel, dtype = getattr(self, "_bucket0", (0, torch.float32))
-        what = where(self.comm, "autotune timing MAX-allgather", 0, numel, dtype, getattr(self, "_step", -1))
-        agreed = allreduce_max(self.comm, torch.tensor(values, dtype=torch.float64), what).tolist()
-        return check_step_seconds(agreed, what)
-
-    def _propose(self, keys) -> list[str]:
-        """Compressed rules, best predicted first, distinct on the given buckets."""
-        if self.model is None:
-            return []
-        rows = [self._row(k) for k in keys]
-        options = []
-        for order, rule in enumerate([MODEL, *self.candidate_names()]):
-            assign = tuple(self._apply(rule, r) for r in rows)
-            total = sum(r.predicted.get(a, math.inf) for r, a in zip(rows, assign))
-            options.append((total, order, rule, assign))
-        seen = {tuple(DENSE for _ in rows)}
-        out = []
-        for total, _, rule, assign in sorted(options):
-            if assign in seen or not math.isfinite(total):
-                continue
-            seen.add(assign)
-            out.append(rule)
-        return out
 
     def retune(self) -> None:
         """Measure and tune again from the next step (call on every rank before the same step)."""
@@ -271,90 +255,21 @@ class Planner:
         if key in self._saved and self.tuner is not None and self.tuner.locked \
                 and rule == self.tuner.decision:  # a restored lock: exactly what the saved run ran
             return self._saved[key]
-        return self._apply(rule or MODEL, self._row(key, ndims))
+        return apply_rule(rule or MODEL, self._row(key, ndims))
 
     def _row(self, key, ndims=None) -> PlanRow:
+        """The row of the bucket ``key`` (decided once, until the model changes)."""
         row = self._rows.get(key)
         if row is None:
-            row = self._rows[key] = self._decide(*key, ndims if ndims is not None else self._ndims.get(key))
-        return row
-
-    def _apply(self, rule: str, row: PlanRow) -> str:
-        """What ``rule`` runs for the bucket of ``row``."""
-        if rule == MODEL:
-            return row.chosen
-        if rule == DENSE or row.reason != "cheapest" or rule not in row.predicted:
-            return DENSE  # small, 1-D, unplanned buckets, or not a candidate here
-        return rule
-
-    def note_used(self, bucket_index: int, algorithm: str) -> str | None:
-        """Record what a bucket runs now; returns what it ran before (``None``: first time)."""
-        prev = self._used.get(bucket_index)
-        self._used[bucket_index] = algorithm
-        return prev
-
-    def _decide(self, bucket_index, numel, dtype, ndims) -> PlanRow:
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        row = PlanRow(bucket_index, numel, dtype, nbytes, DENSE, "cheapest")
-        if self.model is None:
-            row.reason = "no cost model (one rank or not set up)"
-            return row
-        row.predicted = self.model.candidates(self.compressor, numel, dtype, self.candidate_names())
-        if numel < self.min_numel:
-            row.reason = f"small (< {self.min_numel} elements)"
-            return row
-        if ndims is not None and len(ndims) and max(ndims) <= 1:
-            row.reason = "1-D tensors only"
-            return row
-        dense_t = row.predicted[DENSE]
-        best, best_t = DENSE, dense_t
-        for name, t in row.predicted.items():  # insertion order: ties keep the earlier one
-            if name != DENSE and t < best_t and t < dense_t * (1 - self.margin):
-                best, best_t = name, t
-        row.chosen = best
+            row = self._rows[key] = decide_row(
+                self.model, self.compressor, *key, ndims if ndims is not None else self._ndims.get(key),
+                self.candidate_names(), self.min_numel, self.margin)
         return row
 
     def _preference(self, rule: str) -> tuple:
-        """Sort key of a rule among tied winners, per bucket (largest first): first how many
-        times it compresses the bucket (``Algorithm.compress_stages``: a two_phase plan's owners
-        compress the sum again — top-k's owners keep k of up to ``world * k`` values, which
-        cost the momentum task 1.093x dense's loss at 4 ranks against allgather's 1.032;
-        a tie in step time must not buy
-        that), then the bytes its collectives put on the slowest tier's links, then its local
-        codec work
-        (:meth:`CostModel.codec_seconds`, in whole milliseconds: :data:`MIN_GAIN_S`), then
-        its collectives' ring hops (the latency terms), then the registry order (allreduce,
-        allgather, two_phase, shared_scale, hierarchical). Fewer bytes is the plan that keeps
-        winning when the link changes; with the bytes equal, the work around the wire decides
-        — at 2 ranks qsgd8's shared_scale decodes one integer sum where allgather decodes and
-        adds two payloads, and it ran 4-9% faster in every measured run (unshaped, 10 Gb/s
-        and 1 Gb/s links) where hops alone picked allgather — and a
-        sparsifier's adds are too small to count (random-k: allgather, in half the hops of an
-        allreduce). Only the agreed cost model, world sizes, shapes and the
-        compressor enter: the same key on every rank."""
-        order = {name: i for i, name in enumerate(ALGORITHMS)}
-        rows = sorted(self._rows.values(), key=lambda r: (-r.numel, r.bucket))
-        return tuple((0 if a == DENSE else get_algorithm(a).compress_stages,)
-                     + self._tie_cost(a, r) + (order.get(a, -1),)
-                     for r in rows for a in (self._apply(rule, r),))
-
-    def _tie_cost(self, algorithm: str, row: PlanRow) -> tuple:
-        """``(link bytes on the slowest tier, codec work in whole ms, ring hops)`` of one
-        bucket's plan."""
-        model = self.model
-        if model is None:
-            return ()
-        ops = model.wire_ops(algorithm, None if algorithm == DENSE else self.compressor,
-                             row.numel, row.dtype)
-        slow = "inter" if any(t == "inter" for t, *_ in ops) else "flat"
-        nbytes = hops = 0.0
-        for tier, op, _, b in ops:
-            n = model.tiers[tier].world if tier in model.tiers else 1
-            if tier == slow:
-                nbytes += TierCost.factor(op, n) * b
-            hops += TierCost.hops(op, n)
-        codec = model.codec_seconds(algorithm, self.compressor, row.numel, row.dtype)  # dense: 0
-        return (nbytes, round(codec / MIN_GAIN_S) if math.isfinite(codec) else math.inf, hops)
+        """The tuner's sort key of ``rule`` among tied winners over the buckets planned so far
+        (:func:`~comms.tuning.rule_ranking.tie_preference`: the same key on every rank)."""
+        return tie_preference(self.model, self.compressor, self._rows.values(), rule)
 
     def _locked_rule(self) -> str:
         t = self.tuner
@@ -366,7 +281,7 @@ class Planner:
         rows = []
         for r in sorted(self._rows.values(), key=lambda r: (r.bucket, r.numel)):
             key = (r.bucket, r.numel, r.dtype)
-            now = self._saved[key] if key in self._saved else self._apply(rule, r)
+            now = self._saved[key] if key in self._saved else apply_rule(rule, r)
             rows.append(replace(r, chosen=now, model_choice=r.chosen))
         return Plan(rows, self.model, self.topology, self.tuner)
 
@@ -374,7 +289,7 @@ class Planner:
     def state_dict(self) -> dict:
         """The autotuner's decision and the per-bucket choices under it (plain values)."""
         rule = self._locked_rule()
-        decisions = [[b, n, str(dt), self._apply(rule, r)] for (b, n, dt), r in sorted(
+        decisions = [[b, n, str(dt), apply_rule(rule, r)] for (b, n, dt), r in sorted(
             self._rows.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2])))]
         decisions += [[b, n, str(dt), a] for (b, n, dt), a in self._saved.items()
                       if (b, n, dt) not in self._rows]

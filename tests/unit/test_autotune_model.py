@@ -12,8 +12,10 @@ from comms.algorithms import get_algorithm
 from comms.algorithms.allreduce import payload_dtype
 from comms.transport.communicator import LocalCommunicator
 from comms.tuning.cost_model import HOOK_PASSES, ComputeCost, CostModel, TierCost
+from comms.tuning.plan_table import apply_rule
 from comms.tuning.planner import Planner
 from comms.tuning.probe import refine, shaped_sample
+from comms.tuning.rule_ranking import propose_rules, tie_cost
 
 
 def test_wire_dtype_bandwidth_is_charged():
@@ -134,17 +136,22 @@ def _planner(beta16, spec="fp16", **kw):
     return p
 
 
+def _proposals(p, keys):
+    """The rules ``p`` proposes to its tuner for the buckets of ``keys``."""
+    return propose_rules([p._row(k) for k in keys], p.candidate_names())
+
+
 def test_proposals_ranked_distinct_and_rules_applied():
     p = _planner(beta16=0.1e9)
     keys = [(0, 1 << 22, torch.float32), (1, 100, torch.float32)]  # a big and a small bucket
-    rules = p._propose(keys)
+    rules = _proposals(p, keys)
     # the model's pick equals uniform "allreduce" on these buckets: listed once, best first
     assert rules[0] in (MODEL, "allreduce") and len(rules) == len(set(rules))
     assert not (MODEL in rules and "allreduce" in rules)
     assert set(rules) >= {"allgather", "two_phase"}
     big, small = p._row(keys[0]), p._row(keys[1])
-    assert p._apply("two_phase", big) == "two_phase" and p._apply("two_phase", small) == "dense"
-    assert p._apply("dense", big) == "dense"
+    assert apply_rule("two_phase", big) == "two_phase" and apply_rule("two_phase", small) == "dense"
+    assert apply_rule("dense", big) == "dense"
     # the tuner's rule decides what choose() returns, for every bucket
     p.tuner.rule = "allgather"
     assert p.choose(0, 1 << 22) == "allgather" and p.choose(1, 100) == "dense"
@@ -154,7 +161,7 @@ def test_proposals_ranked_distinct_and_rules_applied():
     # a slow fp16 sum: every compressed plan predicted slower than dense is still proposed
     # (the tuner measures), but the model alone picks dense
     slow = _planner(beta16=0.01e9, algorithms=["allreduce"])
-    assert slow._row(keys[0]).chosen == "dense" and slow._propose(keys) == ["allreduce"]
+    assert slow._row(keys[0]).chosen == "dense" and _proposals(slow, keys) == ["allreduce"]
     assert all(math.isfinite(t) for t in slow._row(keys[0]).predicted.values())
 
 
@@ -173,7 +180,7 @@ def test_ties_go_to_fewer_link_bytes_then_fewer_hops(world, preferred):
         p._row(k)
     rules = ["allreduce", "allgather"]
     assert min(rules, key=p._preference) == preferred
-    ar, ag = (p._tie_cost(r, p._row(keys[0])) for r in rules)
+    ar, ag = (tie_cost(p.model, p.compressor, r, p._row(keys[0])) for r in rules)
     assert ar[2] == 2 * ag[2] == 2 * (world - 1) and ar[1] == ag[1] == 0  # no compute measured
     assert (ar[0] == ag[0]) if world == 2 else (ar[0] * 2 == pytest.approx(ag[0], rel=1e-3))
     top = Planner(compressors.from_spec("topk:density=0.01"),
@@ -181,7 +188,7 @@ def test_ties_go_to_fewer_link_bytes_then_fewer_hops(world, preferred):
     top.ready = True
     top._row(keys[0])
     assert min(["two_phase", "allgather"], key=top._preference) == "allgather"
-    tp, ag = (top._tie_cost(a, top._row(keys[0])) for a in ("two_phase", "allgather"))
+    tp, ag = (tie_cost(top.model, top.compressor, a, top._row(keys[0])) for a in ("two_phase", "allgather"))
     assert (tp[0] == ag[0]) if world == 2 else (tp[0] * 2 == pytest.approx(ag[0], rel=0.01))
     # qsgd8: shared_scale's scales allgather counts; at 2 ranks its bytes equal allgather's
     # (scales plus one byte per element either way), in three hops to one
@@ -190,7 +197,7 @@ def test_ties_go_to_fewer_link_bytes_then_fewer_hops(world, preferred):
     qp.ready = True
     qp._row(keys[0])
     if world == 2:
-        ss, ag = (qp._tie_cost(a, qp._row(keys[0])) for a in ("shared_scale", "allgather"))
+        ss, ag = (tie_cost(qp.model, qp.compressor, a, qp._row(keys[0])) for a in ("shared_scale", "allgather"))
         assert ss == (ag[0], 0, 3.0) and ag[2] == 1.0
         assert min(["shared_scale", "allgather"], key=qp._preference) == "allgather"
     assert len(p._preference("dense")) == 2  # one entry per bucket, dense included
@@ -216,18 +223,18 @@ def test_ties_with_equal_bytes_go_to_less_codec_work(world):
         return p
 
     q8 = planner("qsgd:bits=8", 0.33e-9, 0.27e-9)
-    ss, ag = (q8._tie_cost(a, q8._row((0, numel, torch.float32))) for a in ("shared_scale", "allgather"))
+    ss, ag = (tie_cost(q8.model, q8.compressor, a, q8._row((0, numel, torch.float32))) for a in ("shared_scale", "allgather"))
     if world == 2:
         assert ss[0] == ag[0] and ss[2] > ag[2]  # the bytes tie; shared_scale has more hops
         # allgather's extra decode-and-add of a payload: 0.27 ns x 25M = 6.8 ms
         assert ag[1] - ss[1] == round(0.27e-9 * numel / 1e-3)
         assert min(["allgather", "shared_scale"], key=q8._preference) == "shared_scale"
     rk = planner("randomk:density=0.01", 0.04e-9, 0.45e-9)
-    ar, ag = (rk._tie_cost(a, rk._row((0, numel, torch.float32))) for a in ("allreduce", "allgather"))
+    ar, ag = (tie_cost(rk.model, rk.compressor, a, rk._row((0, numel, torch.float32))) for a in ("allreduce", "allgather"))
     assert ag[1] - ar[1] <= 1  # 1% of a decode per extra payload: within a millisecond
     assert min(["allreduce", "allgather"], key=rk._preference) == ("allgather" if world == 2 else "allreduce")
     tk = planner("topk:density=0.01", 0.6e-9, 0.4e-9)
-    tp, ag = (tk._tie_cost(a, tk._row((0, numel, torch.float32))) for a in ("two_phase", "allgather"))
+    tp, ag = (tie_cost(tk.model, tk.compressor, a, tk._row((0, numel, torch.float32))) for a in ("two_phase", "allgather"))
     assert tp[1] > ag[1]
     assert min(["two_phase", "allgather"], key=tk._preference) == "allgather"
 
@@ -251,7 +258,7 @@ def test_ties_go_to_one_compression_stage_before_fewer_bytes(world, spec, single
     key = (0, 1 << 22, torch.float32)
     p._row(key)
     rules = [a for a in ("allgather", "two_phase", "shared_scale") if get_algorithm(a).supports(comp)]
-    tp, ag = (p._tie_cost(a, p._row(key)) for a in ("two_phase", "allgather"))
+    tp, ag = (tie_cost(p.model, p.compressor, a, p._row(key)) for a in ("two_phase", "allgather"))
     if world > 2:
         assert tp[0] < ag[0]  # fewer link bytes: what decided the tie before the stage count
     best = min(rules, key=p._preference)

@@ -424,10 +424,11 @@ def test_garbage_timings_raise_a_named_error_before_any_rule_sees_them():
         assert "restart from the last checkpoint" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_planner_agreement_checks_what_the_collective_returned():
+def test_step_time_agreement_checks_what_the_collective_returned():
     import torch
 
-    from comms.tuning.planner import Planner
+    from comms.transport.errors import where
+    from comms.tuning.step_seconds import agree_step_seconds
 
     class GarbageComm:  # an allgather that "completes" with what a dead peer's pair left
         rank, world_size, timeout, backend = 0, 2, 5.0, "gloo"
@@ -437,7 +438,7 @@ def test_planner_agreement_checks_what_the_collective_returned():
             fut.set_result(torch.cat([t, torch.full_like(t, 3e305)]))
             return fut
 
-    planner = Planner.__new__(Planner)
-    planner.comm = GarbageComm()
+    comm = GarbageComm()
+    what = where(comm, "autotune timing MAX-allgather", 0, 0, torch.float32, -1)  # the planner's
     with pytest.raises(RuntimeError, match="autotune timing MAX-allgather .* returned 3e"):
-        planner._agree([0.5, math.nan])
+        agree_step_seconds(comm, [0.5, math.nan], what)

@@ -11,7 +11,7 @@ from comms.algorithms.base import Want
 from comms.algorithms import ALGORITHMS
 from compressors import Context
 from compressors.powersgd import PowerSGD
-from compressors.powersgd_layers import orthogonalize_, orthogonalize_batched_
+from compressors.powersgd_layers import orthogonalize_, orthogonalize_batched_, starting_q
 
 
 class LocalComm:
@@ -103,7 +103,7 @@ def test_batched_equals_one_by_one():
         grp = c.layer_plan(shp).groups[0]
         assert grp.spacing == (32 * 40 + 7 if shp is shapes else 0)
         p, q = c.compress(x, ctx)
-        q0 = c._initial_q_layers(ctx, c.layer_plan(shp)).view(3, 2, 40)
+        q0 = starting_q(ctx, c.warm_start, c.layer_plan(shp).q_numel).view(3, 2, 40)
         for i, o in enumerate(grp.offsets):
             m = x[o: o + 32 * 40].view(32, 40)
             pi = orthogonalize_batched_((m @ q0[i].t()).unsqueeze(0))[0]

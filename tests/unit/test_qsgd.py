@@ -67,8 +67,8 @@ def test_torch_only_path_bit_identical(monkeypatch, use_numpy):
     """The pure-torch ops (what CUDA runs) give the same bits as the numpy-assisted CPU path;
     one block larger than 2**16 (folded keys per span) and blocks of an odd multiple."""
     monkeypatch.setattr(H, "USE_NUMPY_ON_CPU", use_numpy)
-    import compressors.qsgd as Q
-    monkeypatch.setattr(Q, "_NP_CAST_OK", use_numpy)
+    import compressors.qsgd_blocks as QB
+    monkeypatch.setattr(QB, "_NP_CAST_OK", use_numpy)
     for block in (1 << 17, 1 << 22):
         q = QSGD(8)
         q.block = block
