@@ -309,29 +309,32 @@ def test_replay_of_logged_tuning_phases(tmp_path):
 @pytest.mark.dist
 @pytest.mark.timeout(150)
 def test_adam_quality_smoke(tmp_path):
-    # two seeds, 4 steps: before the variance can freeze (at least 10 steps) the momentum-space
-    # rows train as dense Adam, bitwise; QSGD keeps the gradient path whether or not
-    # adam_freeze=None, so its two rows are the same training
+    # two seeds, two regimes, 4 steps: before the variance can freeze (at least 10 steps) the
+    # momentum-space rows train as dense Adam, bitwise; QSGD keeps the gradient path whether or
+    # not adam_freeze=None, so its two rows are the same training
     out = _run(["bench/adam_quality.py", "-n", "2", "--seeds", "0,1", "--steps", "4",
-                "--eval-every", "2", "--tail", "2", "--specs", "sign;qsgd:bits=4",
-                "--out", str(tmp_path / "aq")])
-    assert _table(out, "world")[0] == ["world", "row", "mean", "worst", "target", "met", "finite",
-                                       "replicas", "freeze_iter"]
+                "--eval-every", "2", "--tail", "2", "--models", "16x1", "--lrs", "3e-3",
+                "--regimes", "plain,clip-cosine", "--specs", "sign;qsgd:bits=4",
+                "--paths", "momentum,gradient", "--out", str(tmp_path / "aq")])
+    assert _table(out, "model")[0] == ["model", "lr", "regime", "world", "row", "mean", "worst",
+                                       "target", "met", "finite", "replicas", "freeze_iter"]
     with open(tmp_path / "aq.csv") as f:
         recs = list(csv.DictReader(f))
-    by = {(r["seed"], r["row"]): r for r in recs}
-    assert len(recs) == 10 and {s for s, _ in by} == {"0", "1"}
-    for seed in ("0", "1"):
-        assert float(by[seed, "dense"]["ratio"]) == 1.0
-        assert by[seed, "sign"]["final_loss"] == by[seed, "dense"]["final_loss"]
-        assert by[seed, "sign"]["freeze_iter"] == ""  # not frozen within 4 steps
-        assert by[seed, "qsgd:bits=4"]["final_loss"] == \
-            by[seed, "qsgd:bits=4 [gradient path]"]["final_loss"]
-        assert by[seed, "sign [gradient path]"]["final_loss"] != by[seed, "dense"]["final_loss"]
-    assert by["0", "dense"]["final_loss"] != by["1", "dense"]["final_loss"]  # --seeds took effect
+    by = {(r["regime"], r["seed"], r["row"]): r for r in recs}
+    assert len(recs) == 20 and {s for _, s, _ in by} == {"0", "1"}
+    for regime in ("plain", "clip-cosine"):
+        for seed in ("0", "1"):
+            row = lambda name: by[regime, seed, name]  # noqa: E731
+            assert float(row("dense")["ratio"]) == 1.0
+            assert row("sign")["final_loss"] == row("dense")["final_loss"]
+            assert row("sign")["freeze_iter"] == "" and row("sign")["dense_steps"] == "4"
+            assert row("qsgd:bits=4")["final_loss"] == row("qsgd:bits=4 [gradient path]")["final_loss"]
+            assert row("sign [gradient path]")["final_loss"] != row("dense")["final_loss"]
+    assert by["plain", "0", "dense"]["final_loss"] != by["plain", "1", "dense"]["final_loss"]  # seeds
+    assert by["plain", "0", "dense"]["final_loss"] != by["clip-cosine", "0", "dense"]["final_loss"]
     assert all(r["replicas"] == "True" and r["finite"] == "True" for r in recs)
     md = (tmp_path / "aq.md").read_text()
-    assert "--seeds 0,1" in md and "| seed0 | seed1 |" in md
+    assert "--seeds 0,1" in md and "| seed0 | seed1 |" in md and "Pinned" in md
 
 
 @pytest.mark.timeout(300)

@@ -60,8 +60,12 @@ class Call:
         div: this rank's share of the average (DDP: the world size, divided here; FSDP/HSDP: 1,
             summed units: the adapter divides afterwards).
         limit: the clip limit of this rank's share (``None``: no clipping).
-        mbar: Adam's shared momentum of these elements once the variance froze (what travels
-            is the momentum: :mod:`comms.core.adam`), else ``None``.
+        mbar: Adam's momentum space once the variance froze (:mod:`comms.core.adam`): the
+            DDP bucket's :class:`~comms.core.adam_share.Share`, or FSDP's velocity start (a
+            tensor); else ``None``.
+        params: what went through Adam's momentum space, for its frozen-variance step
+            (:meth:`comms.core.adam.FrozenVarianceAdam.mark`: the parameters, or FSDP's module
+            index).
         shapes: the parameter shapes ``x`` is made of (``()``: unknown).
         dest: where the sink lands the result (its own business: a split bucket's scatter,
             FSDP's output shard and divide factor).
@@ -73,9 +77,10 @@ class Call:
     route: Route
     div: int = 1
     limit: float | None = None
-    mbar: torch.Tensor | None = None
+    mbar: Any = None
     shapes: tuple = ()
     dest: Any = None
+    params: Any = ()
 
 
 class Sink:
@@ -125,16 +130,22 @@ def run(st, comm, call: Call, sink: Sink):
     x, idx = call.x, call.index
     st.memory.draining.pop(idx, None)  # back to compressing: what is left is a residual again
     compressor = st.compressor_for(call.step)  # the warm-up ramp's variant
+    alg = sink.compressed(call.route.name)
+    ctx = _context(st, comm, call)
+    ramp_dense = compressor is not st.compressor and warm_step_goes_dense(
+        compressor, sink.wire_bytes(alg, compressor, ctx, comm.world_size, shaped=False),
+        sink.wire_bytes(sink.dense, None, ctx, comm.world_size, shaped=False))
+    if ramp_dense and call.mbar is not None and switched is None:
+        # Adam's momentum space: a dense step of the ramp sends the gradient (AdamW's own step)
+        return _dense(st, comm, call, sink, None, "dense (warm-up)", lock=False)
+    if call.mbar is not None:
+        st.adam.mark(call.params, call.step)
     amax = feed_(st, idx, x, call.div, call.limit, call.mbar)
     if switched is not None:
         _flush(st, comm, call, switched)
         amax = None
     flag = nonfinite_flag(x, amax)
-    alg = sink.compressed(call.route.name)
-    ctx = _context(st, comm, call)
-    if compressor is not st.compressor and warm_step_goes_dense(
-            compressor, sink.wire_bytes(alg, compressor, ctx, comm.world_size, shaped=False),
-            sink.wire_bytes(sink.dense, None, ctx, comm.world_size, shaped=False)):
+    if ramp_dense:
         # the lossless end of the ramp: the residual (already in x) goes with it; the velocity
         # goes on; flagged like a compressed step (a NaN resets the memory)
         st.memory.residuals.pop(idx, None)
@@ -159,15 +170,27 @@ def _flush(st, comm, call: Call, prev: str) -> None:
     st.algo_store.pop(call.index, None)
 
 
-def _dense(st, comm, call: Call, sink: Sink, switched: str | None):
-    """The dense route: the local steps where some memory changes (momentum, Adam's momentum,
-    a switch's flush, the drain once dense is the decision), then the dense algorithm."""
+def _dense(st, comm, call: Call, sink: Sink, switched: str | None, label: str = DENSE,
+           lock: bool = True):
+    """The dense route: the local steps where some memory changes (momentum, a switch's flush,
+    the drain once dense is the decision), then the dense algorithm.
+
+    Under Adam's momentum space the gradient goes (AdamW's own step, :mod:`comms.core.adam`);
+    once dense is the decision, what compression had not delivered yet (in the momentum
+    space's coordinates) is dropped, not drained: a drained burst would enter Adam's variance."""
     x, idx = call.x, call.index
-    drain = call.route.settled and st.error_feedback and idx in st.memory.residuals
-    if not (switched or drain or st.local_transform or call.mbar is not None):
+    if st.adam is not None:
+        call.mbar = None
+        if lock and call.route.settled and (switched is not None or idx in st.memory.residuals):
+            st.forget(idx)
+        elif switched is not None:
+            st.algo_store.pop(idx, None)
+        switched = None
+    drain = st.adam is None and call.route.settled and st.error_feedback and idx in st.memory.residuals
+    if not (switched or drain or st.local_transform):
         if call.div != 1:
             x.div_(call.div)  # this rank's share, as torch's hooks divide first (no fp16 overflow)
-        return _exchange(st, comm, call, sink, sink.dense, None, None, _context(st, comm, call), DENSE)
+        return _exchange(st, comm, call, sink, sink.dense, None, None, _context(st, comm, call), label)
     flag = local_flagged(st, idx, x, call.div, call.limit, call.mbar)
     if switched is not None:
         _flush(st, comm, call, switched)
@@ -175,7 +198,7 @@ def _dense(st, comm, call: Call, sink: Sink, switched: str | None):
         if idx not in st.memory.draining:
             st.memory.start_drain(idx, DRAIN_STEPS)
         st.memory.drain_step_(idx, x)
-    return _exchange(st, comm, call, sink, sink.dense, None, flag, _context(st, comm, call), DENSE)
+    return _exchange(st, comm, call, sink, sink.dense, None, flag, _context(st, comm, call), label)
 
 
 def _context(st, comm, call: Call) -> Context:
@@ -197,8 +220,11 @@ def _exchange(st, comm, call: Call, sink: Sink, alg, compressor, flag, ctx: Cont
         masking = None if call.mbar is None else st.adam.masking(call.step)
         delivery, store = Delivery(st, compressor, alg, masking), st.store(idx)
 
+        deliver = getattr(call.mbar, "deliver_", None)  # DDP: the aggregate as Adam's momentum
+
         def settle(result):
-            return settle_(st, idx, x, result[0], result[1], delivery)
+            out = settle_(st, idx, x, result[0], result[1], delivery)
+            return out if deliver is None else deliver(out)
     more, flag_handle = sink.prepare(comm, call, alg, flag, delivery)
     want = None if delivery is None else delivery.want(st, idx, x, **more)
     try:

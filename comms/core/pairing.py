@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from .adam import FrozenVarianceAdam, adam_family, momentum_space
+from .adam_policy import check_freeze
 from .replicas import ReplicaGuard
 
 __all__ = ["ADAM_FREEZE_DEFAULT", "take_over_momentum", "check_optimizer", "pair_optimizer",
@@ -101,16 +102,28 @@ def check_optimizer(state, optimizer) -> None:
                       "momentum of 0", UserWarning, stacklevel=2)
 
 
-def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None):
+def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None, replicated: bool = True):
     """The momentum-space scheme for an Adam/AdamW ``optimizer`` and a compressor that keeps
     error-feedback residuals (:func:`comms.core.adam.momentum_space`); ``None`` otherwise or when
     ``adam_freeze`` is ``None`` (the gradient path). ``comm_fn``/``iter_fn``: the communicator
-    its freeze agreement uses and the step counter (default: the DDP state's)."""
+    its freeze agreement uses and the step counter (default: the DDP state's).
+
+    ``replicated`` (DDP: every rank holds the whole variance): preconditioned; sign travels as
+    1-bit Adam's shared momentum, the sparsifiers as a velocity per rank without masking.
+    Otherwise (FSDP): a velocity per rank with DGC's masking (docs/design-notes.md, "Adam(W)'s
+    momentum space").
+
+    Raises:
+        ValueError: a bad ``adam_freeze`` value or an optimizer layout the scheme cannot
+            follow, before anything changes.
+    """
+    check_freeze(adam_freeze)
     if adam_freeze is None or _no_adam_pairing(state, optimizer) is not None:
         return None
     mode = "local" if getattr(state.compressor, "sparsifies", False) else "shared"
+    kw = dict(precondition=True, velocity_masking="off") if replicated else dict(velocity_masking="sent")
     adam = FrozenVarianceAdam(optimizer, mode=mode, freeze=str(adam_freeze) if isinstance(adam_freeze, _Default)
-                              else adam_freeze, min_steps=max(10, state.start_iter + state.warmup_steps + 1))
+                              else adam_freeze, min_steps=max(10, state.start_iter + state.warmup_steps + 1), **kw)
     adam.comm_fn = comm_fn or state.comm
     adam.iter_fn = iter_fn or (lambda: state.iter)
     return adam
@@ -138,7 +151,9 @@ def check_pairing(state, optimizer, adam_freeze, named_parameters, sparsifiers_o
     gradient path — always does).
 
     Raises:
-        ValueError: an optimizer of another model, or why ``adam_freeze`` does not apply."""
+        ValueError: an optimizer of another model, a bad ``adam_freeze`` value, or why
+            ``adam_freeze`` does not apply."""
+    check_freeze(adam_freeze)
     if optimizer is not None:
         _group_momenta(optimizer)  # a TypeError for a non-optimizer, first
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}

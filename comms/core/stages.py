@@ -47,9 +47,10 @@ def local_(st, index: int, x: torch.Tensor, div: int = 1, limit: float | None = 
     """This rank's share ``x / div`` (``div``: the world size where the adapter averages),
     then the local steps, in place: clip the norm to ``limit`` (``clip_norm`` scaled to this
     rank's share), then momentum correction (``x <- u = m u + x``; with the division in one
-    pass) — or, in Adam's momentum space (``mbar``: the shared momentum), this rank's share
-    of the averaged momentum ``((1 - beta1) g + beta1 mbar) / world``. No host sync (the clip
-    factor stays a tensor)."""
+    pass) — or, in Adam's momentum space (``mbar``: the bucket's
+    :class:`~comms.core.adam_share.Share`), this rank's share of what travels
+    (:meth:`comms.core.adam.FrozenVarianceAdam.momentum_`). No host sync (the clip factor stays a
+    tensor)."""
     world = div
     if st.clip_norm is not None:
         if div != 1:

@@ -125,20 +125,24 @@ def _shapes_at(bucket: dist.GradBucket, numel: int) -> dict:
     return shape_at if off == numel else {}
 
 
-def _part(state, comm, sink, x, index, step, mbar, shapes=(), scatter=None, route=None):
-    """One flat part of a bucket through the engine, on its route (``state.router``)."""
+def _part(state, comm, sink, x, index, step, mbar, shapes=(), scatter=None, route=None, params=()):
+    """One flat part of a bucket through the engine, on its route (``state.router``);
+    ``params``: the parameters it is made of (Adam's momentum space marks them)."""
     world = comm.world_size
     if route is None:
         route = state.router.route(state, comm, index, step, x.numel(), x.dtype)
     limit = None if state.clip_norm is None else state.clip_norm / world  # this rank's share
-    call = Call(index, step, x, route, div=world, limit=limit, mbar=mbar, shapes=shapes, dest=scatter)
+    call = Call(index, step, x, route, div=world, limit=limit, mbar=mbar, shapes=shapes, dest=scatter,
+                params=params)
     return run(state, comm, call, sink)
 
 
-def _split_bucket(state, comm, sink, buf, plan, shape_at, step, before_start, mbar=None) -> torch.futures.Future:
+def _split_bucket(state, comm, sink, buf, plan, shape_at, step, before_start, mbar=None,
+                  params=()) -> torch.futures.Future:
     """A bucket whose parameters map onto several residual layouts (a resumed run's layouts,
     DDP's rebuilt buckets): each part goes through the engine under its own index."""
     subs = []
+    offsets = list(shape_at) if len(shape_at) == len(params) else [None] * len(params)
     for j, segs in plan:
         x = torch.cat([buf[o: o + n] for o, n in segs])
 
@@ -151,9 +155,10 @@ def _split_bucket(state, comm, sink, buf, plan, shape_at, step, before_start, mb
         segs_shapes = [shape_at.get(o) for o, _ in segs]
         shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
             else tuple(s[1] for s in segs_shapes)
-        part = None if mbar is None else torch.cat([mbar[o: o + n] for o, n in segs])
+        part = None if mbar is None else mbar.cut(segs)
+        mine = [p for p, o in zip(params, offsets) if o is None or any(a <= o < a + n for a, n in segs)]
         subs.append(_part(state, comm, sink, x, j, step, part, shapes, scatter,
-                          BEFORE_START if before_start else None))
+                          BEFORE_START if before_start else None, mine))
     return when_all(subs, buf)
 
 
@@ -165,30 +170,28 @@ def _exchange(state, comm, bucket, buf, index: int, step: int) -> torch.futures.
                              lambda: [hash64(v) for v in state.config_values(index, buf.numel(), buf.dtype, step)],
                              lambda: state.config_values(index, buf.numel(), buf.dtype, step))
     sink = DDPSink(state)
-    mbar = _shared_momentum(state, bucket, step)
     route = state.router.route(state, comm, index, step, buf.numel(), buf.dtype)
-    if route is BEFORE_START and not state.local_transform and mbar is None:
+    mbar = None if route is BEFORE_START else _shared_momentum(state, bucket, step)
+    if route is BEFORE_START and not state.local_transform:
         return _part(state, comm, sink, buf, index, step, None, route=route)  # no memory: no layout to follow
     plan = _layout_plan(state, bucket, buf, index)
     shape_at = _shapes_at(bucket, buf.numel())
+    params = bucket.parameters()
     if plan == [(index, None)]:
         shapes = tuple(s for _, s in shape_at.values())
-        return _part(state, comm, sink, buf, index, step, mbar, shapes, route=route)
-    return _split_bucket(state, comm, sink, buf, plan, shape_at, step, route is BEFORE_START, mbar)
-
-
-_NO_MOMENTUM = torch.zeros(0)
+        return _part(state, comm, sink, buf, index, step, mbar, shapes, route=route, params=params)
+    return _split_bucket(state, comm, sink, buf, plan, shape_at, step, route is BEFORE_START, mbar, params)
 
 
 def _shared_momentum(state: CompressionState, bucket, step: int):
-    """Adam's shared momentum of the bucket's parameters once the variance froze, else None.
-    A velocity per rank (sparsifiers) reads it only to start: once the bucket has one, an
-    empty tensor stands in and no bucket-sized copy is made."""
+    """Adam's share of the bucket once the variance froze (a :class:`comms.core.adam_share.Share`:
+    the shared momentum and the preconditioner), else None. Only ``"shared"`` reads the
+    momentum every step; a velocity per rank reads it to start."""
     if state.adam is None or not state.adam.active(step):
         return None
-    if state.adam.mode == "local" and bucket.index() in state.memory.velocities:
-        return _NO_MOMENTUM
-    return state.adam.shared_momentum(bucket.parameters())
+    needs = state.adam.mode == "shared" or (state.adam.mode == "local"
+                                            and bucket.index() not in state.memory.velocities)
+    return state.adam.share(bucket.parameters(), needs)
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -236,11 +239,18 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         return completed(buf)  # the outer sync from this step on: this rank's own gradient
     if comm.world_size == 1 or buf.numel() == 0:
         mbar = _shared_momentum(state, bucket, step)
+        if mbar is not None:
+            state.adam.mark(bucket.parameters(), step)
         if (state.local_transform or mbar is not None) and buf.numel():
             local_(state, index, buf, 1, state.clip_norm, mbar)  # the momentum the optimizer no longer applies
+            if mbar is not None:
+                mbar.deliver_(buf)
         fut = completed(buf)  # nothing to exchange: the average of one is itself
     else:
         fut = _exchange(state, comm, bucket, buf, index, step)
+    if state.adam is not None and index == 0:  # the factor the loop applies to .grad afterwards
+        params = bucket.parameters()             # (comms.core.adam); one bucket: the same on every rank
+        fut = fut.then(lambda f: state.adam.loop.probe(params, f.value(), step))
     if last:
         state.flags.flush(comm, step, _on_nonfinite(state))
         state.layout_tracker.end_step()

@@ -23,7 +23,8 @@ _NO_MOMENTUM = torch.zeros(0)
 def velocity_start(st, step: int):
     """Adam's momentum space on FSDP/HSDP (sparsifiers, a velocity per rank): the shared
     momentum the velocity starts from — not gathered (each rank holds only its shards), so
-    an empty tensor: the velocity starts at 0 when the variance freezes. ``None`` before."""
+    an empty tensor: the velocity starts at 0 when the variance freezes. ``None`` before (and
+    on a refresh step)."""
     return _NO_MOMENTUM if st.adam is not None and st.adam.active(step) else None
 
 
@@ -41,7 +42,7 @@ class ModuleStep:
         step = st.begin(idx, comm, x)
         route = st.router.route(st, comm, idx, step, x.numel(), x.dtype)
         call = Call(idx, step, x, route, div=1, limit=st.clip_limit(idx, comm.world_size),
-                    mbar=velocity_start(st, step), dest=dest)
+                    mbar=velocity_start(st, step), dest=dest, params=idx)
         t0 = time.perf_counter()
         try:
             run(st, comm, call, sink)

@@ -94,7 +94,9 @@ def _attach(state, mods, factors, guard, optimizer, adam_freeze) -> None:
     state.replica_guard = guard
     if getattr(state.compressor, "sparsifies", False):  # sign's shared momentum needs it gathered
         state.adam = adam_pairing(state, optimizer, adam_freeze, lambda: state.comm_for(None),
-                                  lambda: max(state.steps.values(), default=0))
+                                  lambda: max(state.steps.values(), default=0), replicated=False)
+        if state.adam is not None:
+            state.adam.modules = [m for _, m in mods]
 
 
 def _equip(state: FSDPCompressionState, mods) -> None:

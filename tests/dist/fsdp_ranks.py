@@ -244,6 +244,8 @@ def error_cases(rank, world):
     expect("adam_freeze_qsgd", lambda: comms.fsdp.register(model, "qsgd:bits=4", optimizer=adamw,
                                                            adam_freeze="auto"))
     expect("adam_freeze_no_optimizer", lambda: comms.fsdp.register(model, "topk:density=0.1", adam_freeze=10))
+    expect("adam_freeze_bad", lambda: comms.fsdp.register(model, "topk:density=0.1", optimizer=adamw,
+                                                          adam_freeze=True))
     rg = dist.new_group(list(range(world)))
     expect("hsdp_powersgd", lambda: comms.fsdp.register(model, "powersgd:rank=1", replicate_group=rg))
     # FSDP1 needs an accelerator to construct; the check only looks at the type

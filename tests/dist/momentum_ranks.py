@@ -212,6 +212,9 @@ def pairing_errors(rank: int, world: int) -> dict:
     expect("sgd", lambda: comms.register(model, "topk:density=0.1", optimizer=sgd, adam_freeze=10))
     expect("qsgd", lambda: comms.register(model, "qsgd:bits=4", optimizer=adamw, adam_freeze="auto"))
     expect("none", lambda: comms.register(model, "sign", adam_freeze="auto"))
+    expect("bad_freeze", lambda: comms.register(model, "sign", optimizer=adamw, adam_freeze=0))
+    expect("bad_freeze_str", lambda: comms.register(model, "topk:density=0.1", optimizer=adamw,
+                                                    adam_freeze="soon"))
     expect("explicit_off", lambda: comms.register(model, "qsgd:bits=4", optimizer=sgd, adam_freeze=None))
     return {"errs": errs, "momenta": [o.param_groups[0]["momentum"] for o in (foreign, part, sgd)],
             "hooked": getattr(model, "_commpress_state", None) is not None}

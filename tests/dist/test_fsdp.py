@@ -105,6 +105,7 @@ def test_bad_input_raises_before_anything_changes():
     assert e["sgd_momentum"] == 0.9
     assert "adam_freeze='auto' does not apply" in e["adam_freeze_qsgd"] and "gradient path" in e["adam_freeze_qsgd"]
     assert "no optimizer" in e["adam_freeze_no_optimizer"]
+    assert e["adam_freeze_bad"].startswith("ValueError") and "got True" in e["adam_freeze_bad"]
     assert e["hsdp_powersgd"].startswith("ValueError") and "HSDP shard" in e["hsdp_powersgd"] \
         and "supports" not in e["hsdp_powersgd"]
     assert res["before"] == res["after"] == ["DefaultReduceScatter"] * 3

@@ -183,6 +183,9 @@ def test_register_refuses_a_foreign_optimizer_and_an_inapplicable_adam_freeze():
     assert "adam_freeze=10 does not apply" in e["sgd"] and "SGD" in e["sgd"]
     assert "adam_freeze='auto' does not apply" in e["qsgd"] and "gradient path" in e["qsgd"]
     assert "no optimizer" in e["none"]
+    for bad, value in (("bad_freeze", "0"), ("bad_freeze_str", "'soon'")):  # a bad value, named
+        assert e[bad].startswith("ValueError") and "adam_freeze must be 'auto', an int >= 1" in e[bad] \
+            and f"got {value}" in e[bad], e[bad]
     assert e["explicit_off"] is None and r["hooked"]  # None (the gradient path) always applies
     assert r["momenta"][0] == 0.9  # refused: nothing taken
     assert r["momenta"][2] == 0.0  # the registration that succeeded took it over
