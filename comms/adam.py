@@ -29,6 +29,7 @@ import math
 import torch
 
 from .deadline import wait
+from .notices import notice
 
 __all__ = ["FrozenVarianceAdam", "adam_family", "momentum_space", "FREEZE_TOL"]
 
@@ -253,9 +254,9 @@ class FrozenVarianceAdam:
         steps = {float(st["step"]) for st in self.optimizer.state.values() if "step" in st}
         self.frozen, self.freeze_iter = True, it
         self.t_freeze = max(steps) if steps else 1.0
-        logger.info("commpress: Adam's variance frozen after %d dense steps (relative change %.4f); "
-                    "the momentum is compressed from step %d", it, self.changes[-1] if self.changes
-                    else math.nan, it)
+        notice(logger, "commpress: Adam's variance frozen after %d dense steps (relative change "
+               "%.4f); the momentum is compressed from step %d", it, self.changes[-1] if
+               self.changes else math.nan, it, rank=self.comm_fn().rank if self.comm_fn else None)
 
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict:

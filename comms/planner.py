@@ -51,6 +51,7 @@ from .autotune_rules import MIN_GAIN_S
 from .communicator import Communicator, allreduce_max
 from .cost_model import CostModel, TierCost
 from .errors import where
+from .notices import notice
 from .probe import PROBE_SIZES
 from .plan_table import Plan, PlanRow
 from .topology import Topology, tiered_communicator
@@ -179,14 +180,19 @@ class Planner:
         if self.tuner is None:
             return
         self.tuner.count_from = start_iter + warmup_steps
-        was_locked = self.tuner.locked
+        was_locked, was_decision = self.tuner.locked, self.tuner.decision
         keys = list(dict.fromkeys(self._seen_prev + [(0, numel, dtype)]))
         self.tuner.begin_step(step, now, lambda: self._propose(keys), self._agree)
+        rank = None if self.comm is None else self.comm.rank
         if self.tuner.locked and not was_locked:
-            if self.comm is None or self.comm.rank == 0:
-                logger.info("commpress (step %d): %s", step, self.tuner.lock_summary())
+            notice(logger, "commpress (step %d): %s", step, self.tuner.lock_summary(), rank=rank)
+            if rank in (None, 0):
                 logger.debug("commpress autotune trial table:\n%s", self.tuner)
             self._logged = False  # log the plan again under the locked rule
+        elif was_locked and not self.tuner.locked:
+            notice(logger, "commpress (step %d): autotune tunes again (tuning %d): the locked plan "
+                   "%r slowed down or the runner-up now wins", step, self.tuner.tunings,
+                   was_decision, rank=rank)
 
     def _agree(self, values: list[float]) -> list[float]:
         """The element-wise MAX over ranks of the tuner's step seconds, checked (collective)."""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from compressors import Compressor
 
 from .algorithms import ALGORITHMS, get_algorithm
-from .checkpoint import hash64, plain, to_device
+from .checkpoint import check_owner, hash64, owner, plain, settle, to_device
 from .communicator import Communicator, TorchCommunicator
 from .config_check import ConfigCheck
 from .layouts import LayoutTracker
@@ -275,6 +275,7 @@ class CompressionState(OptionsView):
         """
         return {
             "iter": self.iter,
+            **owner(),  # the rank that saved it: load_state_dict refuses it on another
             **self.options.as_dict(),
             "algorithm": self.algorithm,
             "memory": self.memory.state_dict(),
@@ -292,13 +293,14 @@ class CompressionState(OptionsView):
         """Restore :meth:`state_dict` (this rank's own file). Validates before changing anything.
 
         Raises:
-            ValueError: saved with a different compressor, algorithm, momentum,
-                momentum_masking, clip_norm, residual_bound or warmup_steps (the last only
-                while either warm-up is not over at the saved step).
+            ValueError: saved by another rank or world size; saved with a different compressor,
+                algorithm, momentum, momentum_masking, clip_norm, residual_bound or
+                warmup_steps (the last only while either warm-up is not over at the saved step).
         """
         if not isinstance(sd, dict) or "iter" not in sd:
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
                             f"{type(sd).__name__}")
+        check_owner(sd)
         self.options.check_saved(sd, int(sd["iter"]))
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
@@ -316,6 +318,7 @@ class CompressionState(OptionsView):
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
         self._reset_transient()
+        settle(self)
 
     def __getstate__(self):
         # like torch's PowerSGDState: process groups and communicators do not pickle

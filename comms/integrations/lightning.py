@@ -72,7 +72,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.nn.parallel import DistributedDataParallel
 
-from ..register import check_optimizer, take_over_momentum
+from ..register import check_optimizer, mark_paired, take_over_momentum
 from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, \
     warn_no_state
 from .rank_states import RankStates
@@ -104,7 +104,8 @@ class CommpressDDPStrategy(DDPStrategy):
             ``None``: the ``COMMPRESS_SPEC`` environment variable.
         algorithm, momentum, momentum_masking, clip_norm, residual_bound, warmup_steps,
             error_feedback, start_iter, seed, min_compress_numel, autotune, autotune_steps,
-            check_replicas_every: as :func:`comms.register` (defaults are its defaults).
+            check_replicas_every, adam_freeze: as :func:`comms.register` (defaults are its
+            defaults; ``adam_freeze`` applies with an Adam/AdamW from ``configure_optimizers``).
             ``momentum=None`` takes SGD's momentum over from the optimizer.
         commpress_timeout: ``comms.register``'s ``timeout`` (seconds any commpress wait may
             last); ``None``: the process group's, i.e. this strategy's ``timeout``.
@@ -124,7 +125,7 @@ class CommpressDDPStrategy(DDPStrategy):
                  start_iter: int = 2, seed: int = 0, min_compress_numel: int = 0,
                  autotune: bool = True, autotune_steps: int = 2,
                  commpress_timeout: Optional[float] = None, check_replicas_every: Optional[int] = None,
-                 **kwargs: Any):
+                 adam_freeze: Union[str, int, None] = "auto", **kwargs: Any):
         for k in _HOOK_ARGS:
             if kwargs.get(k) is not None:
                 raise ValueError(f"CommpressDDPStrategy registers its own DDP hook; {k} is not allowed")
@@ -142,7 +143,7 @@ class CommpressDDPStrategy(DDPStrategy):
                        error_feedback=error_feedback, start_iter=start_iter, seed=seed,
                        min_compress_numel=min_compress_numel, autotune=autotune,
                        autotune_steps=autotune_steps, timeout=commpress_timeout,
-                       check_replicas_every=check_replicas_every)
+                       check_replicas_every=check_replicas_every, adam_freeze=adam_freeze)
         self.commpress_compressor = check_options(compressor, options).compressor
         self.commpress_options = options
         super().__init__(**kwargs)
@@ -189,6 +190,7 @@ class CommpressDDPStrategy(DDPStrategy):
             if self.commpress_options["momentum"] is None and momenta == {state.momentum}:
                 take_over_momentum(opt)  # the momentum the hook took over at registration
             check_optimizer(state, opt)
+            mark_paired(opt, state.momentum)
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:

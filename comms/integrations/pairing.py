@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..register import check_optimizer, register, take_over_momentum
+from ..register import check_adam_freeze, check_optimizer, mark_paired, register, take_over_momentum
 from ..state import CompressionState
 
 __all__ = ["REGISTER_OPTIONS", "check_options", "unwrap_optimizer", "register_paired",
@@ -41,7 +41,8 @@ _FRAMEWORK_OWNED = ("self", "compressor", "process_group", "communicator")
 
 def _register_options() -> tuple[str, ...]:
     """Keyword options of ``CompressionState`` (and of the options object its ``**options``
-    go to, when it has one), plus ``register``'s own ``check_replicas_every``."""
+    go to, when it has one), plus ``register``'s own (``check_replicas_every``,
+    ``adam_freeze``; its ``optimizer`` is the framework's)."""
     names, var = [], False
     for n, p in inspect.signature(CompressionState.__init__).parameters.items():
         var |= p.kind is p.VAR_KEYWORD
@@ -55,7 +56,9 @@ def _register_options() -> tuple[str, ...]:
         if PipelineOptions is not None:
             names += [n for n, p in inspect.signature(PipelineOptions.__init__).parameters.items()
                       if p.kind is p.KEYWORD_ONLY and n not in names]
-    return tuple(names + ["check_replicas_every"])
+    own = [n for n, p in inspect.signature(register).parameters.items()
+           if p.kind is p.KEYWORD_ONLY and n != "optimizer" and n not in names]
+    return tuple(names + own)
 
 
 #: every option ``comms.register`` takes besides the model, spec and optimizer
@@ -79,7 +82,7 @@ def check_options(compressor, options: dict[str, Any]) -> CompressionState:
     Raises:
         TypeError: an unknown option, or an option of the wrong type (naming it).
         ValueError: a bad spec, an unknown algorithm, an algorithm the compressor's families
-            do not support, or an out-of-range option.
+            do not support, an out-of-range option, or a bad ``adam_freeze``.
     """
     unknown = sorted(set(options) - set(REGISTER_OPTIONS))
     if unknown:
@@ -88,7 +91,8 @@ def check_options(compressor, options: dict[str, Any]) -> CompressionState:
     every = options.get("check_replicas_every")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
         raise TypeError(f"check_replicas_every must be an int >= 0 or None, got {every!r}")
-    kw = {k: v for k, v in options.items() if k != "check_replicas_every"}
+    check_adam_freeze(options.get("adam_freeze", "auto"))
+    kw = {k: v for k, v in options.items() if k not in ("check_replicas_every", "adam_freeze")}
     kw.setdefault("algorithm", "auto")  # register's default (comms.make_hook)
     return CompressionState(compressor, **kw)
 
@@ -151,6 +155,7 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
             take_over_momentum(o)
     for o in opts[1:]:
         check_optimizer(state, o)
+        mark_paired(o, state.momentum)
     return state
 
 
