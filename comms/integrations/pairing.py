@@ -188,7 +188,11 @@ def summary(state) -> dict[str, Any]:
     ``algorithm="auto"``: ``plan`` (the locked rule, ``None`` while tuning), ``locked``,
     ``tuning_steps``, ``tuning_cost_s``, ``tunings``.
     """
-    wire, dense = state.wire_bytes_per_step(), state.dense_bytes_per_step()
+    if hasattr(state, "wire_bytes_per_step"):
+        wire, dense = state.wire_bytes_per_step(), state.dense_bytes_per_step()
+    else:  # FSDP/HSDP: the per-module records
+        wire = sum(s.wire_bytes for s in state.stats.values())
+        dense = sum(s.dense_bytes for s in state.stats.values())
     out = {"iter": int(getattr(state, "iter", 0)), "wire_bytes": int(wire), "dense_bytes": int(dense),
            "ratio": float(dense / wire) if wire else 1.0,
            "algorithm": str(getattr(state, "algorithm", None))}

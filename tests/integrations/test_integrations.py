@@ -87,3 +87,24 @@ def test_accelerate_trains_like_register_with_accumulation_and_resumes_bitwise(t
         assert r["resumed_iter"] == 30 and r["equal"] and r["residuals_equal"]
         assert r["plain_iter"] == 0 and r["plain_objects_back"] == 1
     assert MISSING in log
+
+
+def test_trainer_one_line_compresses_like_register_and_resumes_bitwise(tmp_path):
+    pytest.importorskip("transformers")
+    res, log = _torchrun("trainer_train.py", tmp_path)
+    for r in res:
+        for opt in ("sgd", "adamw"):
+            a = r[opt]
+            assert a["iter"] == 12 and 0 < a["wire"] < a["dense"], a  # compressed through commpress
+            assert a["files"] == ["commpress.rank0.pt", "commpress.rank1.pt"]
+            assert a["logged_steps"] == 13 and a["logged_ratio"] == a["dense"] / a["wire"]
+            assert r[opt + "_a_differs_initial"]
+            assert r[opt + "_equal_by_hand"]   # comms.register on the same Trainer loop: same bits
+            assert r[opt + "_equal_resumed"]   # resumed from checkpoint-6: same bits
+            assert r[opt + "_resumed"]["iter"] == 12
+        for run in ("sgd", "sgd_by_hand", "sgd_resumed", "plain"):
+            assert (r[run]["hook_momentum"], r[run]["opt_momentum"]) == (0.9, 0.0), run
+        assert r["adamw"]["frozen_at"] == r["adamw_resumed"]["frozen_at"] == 4
+        assert r["plain"]["iter"] == 6  # no commpress state: the hook restarted from step 0
+    assert MISSING in log and "(no commpress.rank1.pt)" in log
+    assert log.count("Adam's variance frozen after 4 dense steps") == 2  # rank 0; run and by hand
