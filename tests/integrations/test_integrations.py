@@ -108,3 +108,16 @@ def test_trainer_one_line_compresses_like_register_and_resumes_bitwise(tmp_path)
         assert r["plain"]["iter"] == 6  # no commpress state: the hook restarted from step 0
     assert MISSING in log and "(no commpress.rank1.pt)" in log
     assert log.count("Adam's variance frozen after 4 dense steps") == 2  # rank 0; run and by hand
+
+
+def test_lightning_with_checkpoints_and_deterministic_trains_like_register(tmp_path):
+    pytest.importorskip("lightning")
+    pytest.importorskip("sklearn")
+    res, _ = _run([sys.executable, str(HERE / "lightning_parity.py"), str(tmp_path)], tmp_path)
+    for r in res:
+        assert r["iter"] == 72 and r["compressed"] and r["momenta"] == [0.9, 0.0]
+        assert r["checkpoint_has_state"]
+        assert abs(r["lightning"] / r["register"] - 1) < 0.1, r
+        assert r["bitwise"]  # the same arithmetic in the same order
+        assert r["register"] > r["ddp"]  # top-k 1% for 72 steps: above plain DDP's loss
+    assert res[0]["lightning"] == res[1]["lightning"]
