@@ -189,10 +189,8 @@ class Planner:
             if rank in (None, 0):
                 logger.debug("commpress autotune trial table:\n%s", self.tuner)
             self._logged = False  # log the plan again under the locked rule
-        elif was_locked and not self.tuner.locked:
-            notice(logger, "commpress (step %d): autotune tunes again (tuning %d): the locked plan "
-                   "%r slowed down or the runner-up now wins", step, self.tuner.tunings,
-                   was_decision, rank=rank)
+        elif was_locked and not self.tuner.locked:  # the watchdog: the runner-up won, or a slowdown
+            notice(logger, "commpress (step %d): autotune tunes again (was %r)", step, was_decision, rank=rank)
 
     def _agree(self, values: list[float]) -> list[float]:
         """The element-wise MAX over ranks of the tuner's step seconds, checked (collective)."""

@@ -151,6 +151,8 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             unless the compressor's ``momentum_correction`` is False (PowerSGD). With
             ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
             Adam/AdamW with top-k, random-k or sign goes to momentum space (:mod:`comms.adam`).
+            One restored from a commpress run's checkpoint (:func:`pair_optimizer`) needs
+            ``state.load_state_dict`` before its first step, else a WARNING.
         adam_freeze: with such an Adam optimizer: ``"auto"`` (the variance freezes once it
             settles), an int (the step it freezes at), or ``None`` (compress the gradient).
         **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
@@ -158,12 +160,10 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
-        ValueError: bad compressor spec or options, or the model already has a hook
-            (before any communication; nothing is registered).
+        ValueError: bad compressor spec or options (``adam_freeze`` included), or the model
+            already has a hook (before any communication; nothing is registered).
 
-    Example::
-
-        >>> state = comms.register(ddp_model, "topk:density=0.01")
+    Example: ``state = comms.register(ddp_model, "topk:density=0.01", optimizer=opt)``
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         hint = ("; for FSDP2 (fully_shard) models use comms.fsdp.register(model, spec)"
@@ -179,17 +179,15 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
     state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs)
     state.bind(ddp_model)
     state.replica_guard = guard
-    try:
-        state.adam = adam_pairing(state, optimizer, adam_freeze)  # an optimizer layout it cannot follow
-    except ValueError:
-        give_back_momentum(optimizer, taken)
-        raise
-    try:
+    try:  # ValueError: an Adam layout the update cannot follow; RuntimeError: DDP has a hook
+        state.adam = adam_pairing(state, optimizer, adam_freeze)
         ddp_model.register_comm_hook(state, compression_hook)
-    except RuntimeError as exc:  # DDP refuses a second hook of any kind
+    except (ValueError, RuntimeError) as exc:
         give_back_momentum(optimizer, taken)  # nothing half-applied
         if state.adam is not None:
             state.adam.remove()
+        if isinstance(exc, ValueError):
+            raise
         raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
                          f"{exc}") from exc
     ddp_model._commpress_state = state
