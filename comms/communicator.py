@@ -58,7 +58,9 @@ class Communicator:
 
 
 def _then_value(work, value: torch.Tensor) -> torch.futures.Future:
-    return work.get_future().then(lambda _f: value)
+    """The work's future carrying ``value``; a failed collective fails it (``f.value()`` raises:
+    a callback that ignored ``f`` would turn a dead peer's error into a successful result)."""
+    return work.get_future().then(lambda f: (f.value(), value)[1])
 
 
 class TorchCommunicator(Communicator):

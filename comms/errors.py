@@ -22,7 +22,8 @@ def _rank(comm) -> str:
     return f"rank {g} of {gw} ({text} in its sub-group)"
 
 
-def where(comm, what: str, bucket: int, numel: int, dtype, step: int) -> str:
-    """``"commpress: <what> of bucket B (N x dtype) at step S on rank R of W"``."""
-    return (f"commpress: {what} of bucket {bucket} ({numel} x {str(dtype).replace('torch.', '')}) "
-            f"at step {step} on {_rank(comm)}")
+def where(comm, what: str, bucket: int, numel: int, dtype, step: int, unit: str | None = None) -> str:
+    """``"commpress: <what> of bucket B (N x dtype) at step S on rank R of W"``; ``unit``
+    names what ``bucket`` indexes otherwise (FSDP: ``"module 'layers.0'"``)."""
+    return (f"commpress: {what} of {unit or f'bucket {bucket}'} ({numel} x "
+            f"{str(dtype).replace('torch.', '')}) at step {step} on {_rank(comm)}")

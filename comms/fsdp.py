@@ -79,10 +79,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from .fsdp_comms import CompressedReduceScatter, ReplicateAllReduce
+from .fsdp_comms import CompressedReduceScatter, ReplicateAllReduce, ShardReduceScatter
 from .fsdp_params import PARAM_MODES, QuantizedAllGather
 from .fsdp_state import FSDP_CONFIG_FIELDS, FSDPCompressionState
-from .register import adam_pairing, give_back_momentum, pair_optimizer, replica_guard
+from .register import ADAM_FREEZE_DEFAULT, adam_pairing, check_pairing, give_back_momentum, pair_optimizer, replica_guard
 
 __all__ = ["register", "FSDPCompressionState", "CompressedReduceScatter", "ReplicateAllReduce",
            "QuantizedAllGather", "PARAM_MODES", "FSDP_CONFIG_FIELDS", "fsdp_modules"]
@@ -120,8 +120,8 @@ def _check_module(state: FSDPCompressionState, fqn: str, m, replicate_group) -> 
         raise ValueError(f"FSDP module {name!r} is on a {type(g.mesh_info).__name__} (native 2-D HSDP "
                          "or replicate); shard it with fully_shard(mesh=mesh['shard']) and pass "
                          "replicate_group=mesh.get_group('replicate')")
-    if isinstance(g._reduce_scatter_comm, CompressedReduceScatter) or isinstance(
-            g._all_reduce_hook, ReplicateAllReduce):
+    if isinstance(g._reduce_scatter_comm, (CompressedReduceScatter, ShardReduceScatter)) or isinstance(
+            g._all_reduce_hook, ReplicateAllReduce) or isinstance(g._all_gather_comm, QuantizedAllGather):
         raise ValueError(f"FSDP module {name!r} already has commpress registered")
     if state.mode == "fsdp" and type(g._reduce_scatter_comm) is not DefaultReduceScatter:
         raise ValueError(f"FSDP module {name!r} already has a custom reduce-scatter "
@@ -155,13 +155,22 @@ def _attach(state, mods, factors, guard, optimizer, adam_freeze) -> None:
 
 
 def _equip(state: FSDPCompressionState, mods) -> None:
-    """Change the (validated) modules: sums everywhere, FSDP divides once afterwards."""
+    """Change the (validated) modules: sums everywhere, FSDP divides once afterwards; every
+    collective FSDP issues for them goes through commpress (bounded waits, named errors),
+    except a custom all-gather or shard reduce-scatter of the user's, which is kept."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
     for i, (fqn, m) in enumerate(mods):
+        g = m._get_fsdp_state()._fsdp_param_groups[0]
         m.set_force_sum_reduction_for_comms(True)
         # a parameter without a gradient stays in the reduce-scatter as zeros: the layout, and
-        # so the residual and velocity of the module, survive steps that leave it unused
-        m.set_reduce_scatter_unused_params(True, recurse=False)
-        if state.params != "full":
+        # so the residual and velocity of the module, survive steps that leave it unused; its
+        # gradient is dropped again after backward, as plain FSDP2 leaves it (comms.fsdp_unused)
+        # — unless the user asked FSDP2 for those zeros
+        if not g.reduce_scatter_unused_params:
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+            state.unused.track(state, i, g)
+        if type(g._all_gather_comm) is DefaultAllGather:
             m.set_custom_all_gather(QuantizedAllGather(state, i))
         if state.mode == "fsdp":
             # the reduce-scatter divides itself (FSDP's divide would read the output at once),
@@ -170,11 +179,14 @@ def _equip(state: FSDPCompressionState, mods) -> None:
             m.set_custom_reduce_scatter(CompressedReduceScatter(state, i, module=m))
         else:
             m.set_gradient_divide_factor(state.divide_factors[i])
+            if type(g._reduce_scatter_comm) is DefaultReduceScatter:
+                m.set_custom_reduce_scatter(ShardReduceScatter(state, i))
             m.set_all_reduce_hook(ReplicateAllReduce(state, i))
 
 
 def register(model: torch.nn.Module, compressor, *, replicate_group=None, algorithm: str | None = None,
-             params: str | None = None, optimizer=None, check_replicas_every: int | None = None, adam_freeze="auto",
+             params: str | None = None, optimizer=None, check_replicas_every: int | None = None,
+             adam_freeze=ADAM_FREEZE_DEFAULT,
              **options) -> FSDPCompressionState:
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
@@ -227,7 +239,9 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
                                  params=params, **options)  # every option validated first
     mods, factors = _checked_modules(model, probe, replicate_group)
     state, taken = pair_optimizer(optimizer, lambda **kw: FSDPCompressionState(
-        compressor, replicate_group=replicate_group, algorithm=algorithm, params=params, **kw), options)
+        compressor, replicate_group=replicate_group, algorithm=algorithm, params=params, **kw), options,
+        check=lambda probe: check_pairing(probe, optimizer, adam_freeze, model.named_parameters(),
+                                          sparsifiers_only=True))
     _attach(state, mods, factors, guard, optimizer, adam_freeze)
     try:
         _equip(state, mods)

@@ -31,8 +31,7 @@ from compressors import Context
 
 from .algorithms import DENSE, get_algorithm
 from .algorithms.two_phase import decode_sum, scatter_send
-from .deadline import clean_message, failure, wait
-from .errors import where
+from .deadline import BoundedWork, clean_message, failure, wait, wait_work
 from .pipeline import Delivery, feed_, local_flagged, nonfinite_flag, settle_, warm_step_goes_dense
 from .stats import dense_wire_bytes, record_call
 
@@ -41,7 +40,10 @@ try:  # a private path of torch 2.11-2.13: ``import comms`` must not fail where 
 except ImportError:  # pragma: no cover - FSDP duck-types the comm
     ReduceScatter = object
 
-__all__ = ["CompressedReduceScatter", "ReplicateAllReduce"]
+__all__ = ["CompressedReduceScatter", "ReplicateAllReduce", "ShardReduceScatter"]
+
+# torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _op_divides(op) -> bool:
@@ -87,8 +89,8 @@ class _ModuleStep:
             # back does not decode: the error names the module, step and rank
             if clean_message(exc).startswith("commpress:"):
                 raise
-            raise failure(where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} {route} call",
-                                idx, x.numel(), x.dtype, step), exc) from None
+            raise failure(st.where(comm, f"FSDP {route} call", idx, x.numel(), x.dtype, step),
+                              exc) from None
         if st.tuner is not None and step >= st.start_iter:
             st.tuner.record(idx, k, route, time.perf_counter() - t0)
         st.steps[idx] = step + 1
@@ -153,7 +155,11 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
                              f"input {x.numel()} elements, output {out.numel()}, world "
                              f"{comm.world_size}; need input == world x output")
         divide = _op_divides(op)
+        shield = st.unused.shield(st.memory, self.index, out.numel(), comm.world_size)
         self._timed(comm, x, lambda c, x_, step, route: self._run(c, x_, out, step, route, divide))
+        if shield is not None:  # parameters without a gradient: memory kept, result zero
+            shield.restore_memory()
+            shield.zero_(out)  # read now when FSDP accumulates (then the call is synchronous)
         return None  # FSDP ignores a returned Work: a deferred result lands via finish_pending
 
     def _factor(self, divide: bool, world: int) -> float | None:
@@ -196,7 +202,7 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         st, idx, world = self.state, self.index, comm.world_size
         rec = record_call(st.stats, idx, x.numel(), x.dtype, x.element_size(), world, label, None)
         rec.dense_bytes = rec.wire_bytes = (world - 1) * out.numel() * x.element_size()
-        what = where(comm, f"FSDP {label} reduce-scatter", idx, x.numel(), x.dtype, step)
+        what = st.where(comm, f"FSDP {label} reduce-scatter", idx, x.numel(), x.dtype, step)
         flag_fut = None if flag is None else comm.all_reduce(flag.to(torch.float32).reshape(1))
         res = wait(comm.reduce_scatter(x), comm.timeout, what)
         factor = self._factor(divide, world)
@@ -213,7 +219,7 @@ class CompressedReduceScatter(_ModuleStep, ReduceScatter):
         rec = record_call(st.stats, idx, n, x.dtype, x.element_size(), world, "fsdp_reduce_scatter",
                           lambda: (world - 1) * (comp.wire_bytes(m, x.dtype) + 1), comp)
         rec.dense_bytes = (world - 1) * m * x.element_size()  # a reduce-scatter, not an allreduce
-        what = where(comm, "FSDP compressed reduce-scatter", idx, n, x.dtype, step)
+        what = st.where(comm, "FSDP compressed reduce-scatter", idx, n, x.dtype, step)
         d = Delivery(st, comp, False, None if st.adam is None else st.adam.masking(step))
         # this rank's own chunk stays home exact (not encoded, no residual): the codec does
         # (W-1)/W of the work. Not under momentum masking, whose velocity a chunk "sent" in
@@ -277,12 +283,16 @@ class ReplicateAllReduce(_ModuleStep):
         st = self.state
         comm = st.comm_for(st.replicate_group)
         x = reduce_output.view(-1)
+        shield = st.unused.shield(st.memory, self.index, x.numel(), 1)
         if comm.world_size == 1:  # nothing to exchange; the local steps still apply
             if st.local_transform:
                 local_flagged(st, self.index, x, 1, st.clip_limit(self.index, 1))
             st.steps[self.index] = st.steps.get(self.index, 0) + 1
-            return
-        self._timed(comm, x, self._run)
+        else:
+            self._timed(comm, x, self._run)
+        if shield is not None:  # parameters without a gradient: memory kept, result zero
+            shield.restore_memory()
+            shield.zero_(x)
 
     def _run(self, comm, x, step: int, route: str) -> None:
         st, idx, world = self.state, self.index, comm.world_size
@@ -301,7 +311,7 @@ class ReplicateAllReduce(_ModuleStep):
     def _dense(self, comm, x, step, flag, label) -> None:
         st, idx = self.state, self.index
         record_call(st.stats, idx, x.numel(), x.dtype, x.element_size(), comm.world_size, label, None)
-        what = where(comm, f"HSDP replicate {label} all-reduce", idx, x.numel(), x.dtype, step)
+        what = st.where(comm, f"HSDP replicate {label} all-reduce", idx, x.numel(), x.dtype, step)
         flag_fut = None if flag is None else comm.all_reduce(_wire_flag(flag, x, comm))
         wait(comm.all_reduce(x), comm.timeout, what)
         if flag_fut is not None:
@@ -314,7 +324,7 @@ class ReplicateAllReduce(_ModuleStep):
                       rank=comm.rank, seed=st.seed)
         record_call(st.stats, idx, x.numel(), x.dtype, x.element_size(), world, alg.name,
                     lambda: alg.wire_bytes(comp, x.numel(), x.dtype, world) + 4, comp)
-        what = where(comm, f"HSDP replicate {alg.name}", idx, x.numel(), x.dtype, step)
+        what = st.where(comm, f"HSDP replicate {alg.name}", idx, x.numel(), x.dtype, step)
         d = Delivery(st, comp, alg.holds_back, None if st.adam is None else st.adam.masking(step))
         total, own = wait(alg(comm, comp, x, ctx, st.algo_store.setdefault(idx, {}),
                               **d.algorithm_kwargs(st, alg, idx, x)), comm.timeout, what)
@@ -333,3 +343,37 @@ def _wire_flag(flag: torch.Tensor, x: torch.Tensor, comm) -> torch.Tensor:
     if x.device.type != "cpu" and comm.backend in ("gloo", "mpi"):
         bad = bad.cpu()
     return bad
+
+
+class ShardReduceScatter(ReduceScatter):
+    """HSDP mode: the reduce-scatter inside the shard group — FSDP's own collective, the same
+    call and the same bits — with commpress's bounded wait: a stopped or dead partner makes
+    this rank raise within the timeout, naming the module, step and peer, instead of waiting
+    in gloo past the process group's timeout while the other survivors have raised.
+
+    Example::
+
+        >>> module.set_custom_reduce_scatter(ShardReduceScatter(state, index=0))
+    """
+
+    def __init__(self, state, index: int):
+        self.state, self.index = state, index
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        st, idx = self.state, self.index
+        comm = st.comm_for(group)
+        what = st.where(comm, "HSDP shard reduce-scatter", idx, input_tensor.numel(), input_tensor.dtype,
+                        st.steps.get(idx, 0))
+        try:
+            work = _reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=True)
+            if async_op:
+                return BoundedWork(work, comm.timeout, what)
+            wait_work(work, comm.timeout, what)
+        except RuntimeError as exc:
+            if clean_message(exc).startswith("commpress:"):
+                raise
+            raise failure(what, exc) from None
+        return None

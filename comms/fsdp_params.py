@@ -35,16 +35,13 @@ import torch.distributed as dist
 from compressors.blockquant import BlockQuantizer
 
 from .algorithms import DENSE
-from .deadline import clean_message, failure, wait
-from .errors import where
+from .deadline import BoundedWork, clean_message, failure, wait, wait_work
 
 try:  # a private path of torch 2.11-2.13: ``import comms`` must not fail where it moved
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 except ImportError:  # pragma: no cover - FSDP duck-types the comm
     AllGather = object
 
-# a Work whose wait() waits on a Future (private in torch 2.13; without it: synchronous calls)
-_work_from_future = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -96,54 +93,61 @@ class QuantizedAllGather(AllGather):
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _route(self, comm, k: int) -> str:
-        """``"full"``, ``"int8"`` or ``"int4"`` for this module's call ``k``."""
+    def _route(self, comm, step: int) -> str:
+        """``"full"``, ``"int8"`` or ``"int4"`` for this module's calls at gradient ``step``.
+
+        Tuned per step, never per call: the forward and the backward all-gather of one step
+        (and a prefetch of either) take the same route, so a step computes its forward and
+        its backward with the same parameters; a decision takes effect at the next step."""
         st, idx = self.state, self.index
         if st.params != "tuned":
             return st.params
         tuner = st.gather_tuner
-        if tuner.due(idx, k):
+        if tuner.due(idx, step):
             tuner.decide(idx, comm, f"{st.modules[idx] or '<root>'} parameter all-gather")
-        return "int8" if tuner.route(idx, k) != DENSE else "full"
+        return "int8" if tuner.route(idx, step) != DENSE else "full"
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         st, idx = self.state, self.index
         comm = st.comm_for(group)
         x, out = input_tensor.view(-1), output_tensor.view(-1)
         rec = st.gather_stats.setdefault(idx, GatherStats())
-        k, rec.calls = rec.calls, rec.calls + 1
-        route = self._route(comm, k) if x.is_floating_point() else "full"
+        rec.calls += 1
+        # the module's gradient step: its reduce-scatter (end of its backward) counts it up,
+        # so the forward and the backward all-gathers of one step share it
+        step = st.steps.get(idx, 0)
+        route = self._route(comm, step) if x.is_floating_point() else "full"
         codec = st.param_codecs.get(route)  # None: full precision, FSDP's own bytes
         # a call auto times runs synchronously: its transfer belongs to its time
         timed = st.gather_tuner is not None and idx not in st.gather_tuner.decision
-        # a Work FSDP waits on later (a prefetch overlaps compute); not under an explicit
-        # timeout, whose bound only a wait of ours keeps
-        deferred = not timed and st.timeout is None and (async_op or x.device.type == "cpu")
+        # a Work FSDP waits on later (a prefetch overlaps compute); its wait is ours: bounded
+        # by the timeout and raising on a failed transfer
+        deferred = not timed and (async_op or x.device.type == "cpu")
         dense = (comm.world_size - 1) * x.numel() * x.element_size()
         rec.dense_bytes += dense
         rec.wire_bytes += dense if codec is None else (comm.world_size - 1) * codec.payload_bytes(x.numel())
-        what = where(comm, f"FSDP module {st.modules[idx] or '<root>'!r} {route} parameter all-gather",
-                     idx, x.numel(), x.dtype, k)
+        what = st.where(comm, f"FSDP {route} parameter all-gather", idx, x.numel(), x.dtype, step)
         t0 = time.perf_counter()
         try:
             if codec is None:
                 work = _all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
                 if deferred:
-                    return work
-                wait(work.get_future(), comm.timeout, what)
+                    return BoundedWork(work, comm.timeout, what)
+                wait_work(work, comm.timeout, what)
             else:
                 fut = comm.all_gather(codec.encode(x))
                 rec.codec_s += time.perf_counter() - t0
-                if deferred and _work_from_future is not None:
-                    return _work_from_future(
-                        fut.then(lambda f: self._decode(codec, f.value(), out, comm.world_size)))
+                if deferred:
+                    # f.value() raises when the transfer failed: the decode never runs on it
+                    return BoundedWork(fut.then(lambda f: self._decode(codec, f.value(), out, comm.world_size)),
+                                       comm.timeout, what)
                 self._decode(codec, wait(fut, comm.timeout, what), out, comm.world_size)
         except (RuntimeError, ValueError) as exc:
             if clean_message(exc).startswith("commpress:"):
                 raise
             raise failure(what, exc) from None
         if timed:
-            st.gather_tuner.record(idx, k, DENSE if codec is None else "compressed", time.perf_counter() - t0)
+            st.gather_tuner.record(idx, step, DENSE if codec is None else "compressed", time.perf_counter() - t0)
         return None
 
     def _decode(self, codec: BlockQuantizer, recv: torch.Tensor, out: torch.Tensor, world: int) -> None:

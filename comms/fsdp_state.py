@@ -18,8 +18,11 @@ from .algorithms import DENSE, get_algorithm
 from .checkpoint import check_owner, hash64, owner, plain, settle, to_device
 from .communicator import TorchCommunicator
 from .config_check import ConfigCheck
+from .deadline import HEARTBEAT
+from .errors import where
 from .fsdp_params import GatherStats, resolve_params
 from .fsdp_tuner import ModuleTuner
+from .fsdp_unused import UnusedParams
 from .local_memory import LocalMemory
 from .options import OPTION_FIELDS, OptionsView, PipelineOptions
 from .stats import stats_rows
@@ -58,7 +61,11 @@ def _check_algorithm(c: Compressor, mode: str, algorithm):
     if flat not in HSDP_ALGORITHMS:
         raise ValueError(f"HSDP replicate all-reduce algorithm must be 'auto' or one of "
                          f"{HSDP_ALGORITHMS}, got {algorithm!r} (for {c.spec()!r})")
-    if c.name == "powersgd" or not get_algorithm(flat).supports(c):
+    if c.name == "powersgd":
+        raise ValueError(f"compressor {c.spec()!r} cannot compress an HSDP shard: PowerSGD factors "
+                         "whole matrices, and a shard is a flat slice across a module's parameters; "
+                         "use qsgd, sign, topk, randomk, fp16 or bf16 on HSDP (PowerSGD serves DDP)")
+    if flat is None or not get_algorithm(flat).supports(c):
         raise ValueError(f"compressor {c.spec()!r} cannot travel with {flat!r} on a flat "
                          f"FSDP shard (it supports {list(c.families)})")
     return flat if algorithm not in (None, "auto") else "auto"
@@ -126,7 +133,8 @@ class FSDPCompressionState(OptionsView):
         self._nonfinite: torch.Tensor | None = None
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
         self._comms: dict[int, TorchCommunicator] = {}
-        self._pending: list = []                 # deferred reduce-scatter finishes (defer())
+        self._pending: list = []                 # run when backward ends (defer(), at_backward_end())
+        self.unused = UnusedParams()             # parameters without a gradient this backward
         self.deferred_calls = 0                  # reduce-scatters that overlapped backward
 
     # -- per call ------------------------------------------------------------------------
@@ -134,9 +142,16 @@ class FSDPCompressionState(OptionsView):
         c = self._comms.get(id(group))
         if c is None:
             c = self._comms[id(group)] = TorchCommunicator(group)
+            if c.world_size > 1 and c.backend in ("gloo", "nccl"):
+                HEARTBEAT.start()  # once per process: names a dead or silent peer in errors
         if self.timeout is not None:
             c.timeout = self.timeout  # the user's bound wins over the group's
         return c
+
+    def where(self, comm, what: str, index: int, numel: int, dtype, step: int) -> str:
+        """The name of one module call in errors: collective, module, step, rank."""
+        return where(comm, what, index, numel, dtype, step,
+                     unit=f"module {self.modules[index] or '<root>'!r}" if index < len(self.modules) else None)
 
     def flat_algorithm(self) -> str | None:
         """The compressed algorithm (HSDP: a flat algorithm; FSDP: ``None``, the scatter-reduce)."""
@@ -191,10 +206,15 @@ class FSDPCompressionState(OptionsView):
     def defer(self, finish) -> None:
         """Run ``finish`` when the current backward ends (autograd's final callback), after
         every call deferred before it: a reduce-scatter whose exchange overlaps backward."""
+        self.at_backward_end(finish)
+        self.deferred_calls += 1
+
+    def at_backward_end(self, fn) -> None:
+        """Run ``fn`` when the current backward ends, after FSDP's own final callback (queued
+        when backward started) and after what was queued here before it."""
         if not self._pending:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
-        self._pending.append(finish)
-        self.deferred_calls += 1
+        self._pending.append(fn)
 
     def finish_pending(self) -> None:
         """Land every deferred reduce-scatter's result, in issue order (bounded waits). Runs by
@@ -298,11 +318,11 @@ class FSDPCompressionState(OptionsView):
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items()
                 if k not in ("replicate_group", "_comms", "config_check", "replica_guard", "adam",
-                             "_pending")}
+                             "_pending", "unused")}
 
     def __setstate__(self, st):
         self.__dict__.update(st)
         self.replicate_group, self._comms, self.replica_guard, self.adam = None, {}, None, None
-        self._pending = []
+        self._pending, self.unused = [], UnusedParams()
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
 

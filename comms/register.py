@@ -27,8 +27,17 @@ from .replicas import ReplicaGuard
 from .state import CompressionState
 
 __all__ = ["make_hook", "register", "check_optimizer", "take_over_momentum", "pair_optimizer",
-           "give_back_momentum", "replica_guard", "check_adam_freeze", "paired_momentum",
-           "mark_paired", "PAIRED_KEY", "UNRESTORED"]
+           "give_back_momentum", "replica_guard", "check_pairing", "ADAM_FREEZE_DEFAULT",
+           "check_adam_freeze", "paired_momentum", "mark_paired", "PAIRED_KEY", "UNRESTORED"]
+
+
+class _Default(str):
+    """A default told apart from the same value given explicitly (``x is DEFAULT``)."""
+
+
+#: ``adam_freeze``'s default: ``"auto"`` where an Adam pairing applies, silently nothing where
+#: none does (an explicit value there is an error)
+ADAM_FREEZE_DEFAULT = _Default("auto")
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +142,7 @@ def check_optimizer(state: CompressionState, optimizer) -> None:
 
 
 def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
-             optimizer=None, adam_freeze="auto", **kwargs) -> CompressionState:
+             optimizer=None, adam_freeze=ADAM_FREEZE_DEFAULT, **kwargs) -> CompressionState:
     """Register the compression hook on a DDP model and return its state.
 
     The state is bound to the model's parameter names (``state.bind``), so its bucket
@@ -151,20 +160,20 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             unless the compressor's ``momentum_correction`` is False (PowerSGD). With
             ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
             Adam/AdamW with top-k, random-k or sign goes to momentum space (:mod:`comms.adam`).
-            One restored from a commpress run's checkpoint (:func:`pair_optimizer`) needs
-            ``state.load_state_dict`` before its first step, else a WARNING.
-        adam_freeze: with such an Adam optimizer: ``"auto"`` (the variance freezes once it
-            settles), an int (the step it freezes at), or ``None`` (compress the gradient).
+        adam_freeze: with such an Adam optimizer: ``"auto"`` (the default: the variance
+            freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
+            gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,
+            not Adam/AdamW, a compressor that keeps the gradient path) is an error.
         **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
             :class:`~comms.state.CompressionState`).
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
-        ValueError: bad compressor spec or options (``adam_freeze`` included), or the model
-            already has a hook (before any communication; nothing is registered).
+        ValueError: bad compressor spec or options, an optimizer that does not hold every
+            trainable parameter of the model, an ``adam_freeze`` that does not apply, or the
+            model already has a hook (before any communication; nothing is registered).
 
-    Example: ``state = comms.register(ddp_model, "topk:density=0.01", optimizer=opt)``
-    """
+    Example: ``state = comms.register(ddp_model, "topk:density=0.01", optimizer=opt)``."""
     if not isinstance(ddp_model, DistributedDataParallel):
         hint = ("; for FSDP2 (fully_shard) models use comms.fsdp.register(model, spec)"
                 if _is_fsdp2(ddp_model) else "")
@@ -175,8 +184,10 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
     guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
-    check_adam_freeze(adam_freeze)
-    state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs)
+    check_adam_freeze(adam_freeze)  # its value; check_pairing: whether it applies
+    state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs,
+                                  check=lambda probe: check_pairing(probe, optimizer, adam_freeze,
+                                                                    ddp_model.module.named_parameters()))
     state.bind(ddp_model)
     state.replica_guard = guard
     try:  # ValueError: an Adam layout the update cannot follow; RuntimeError: DDP has a hook
@@ -188,8 +199,7 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             state.adam.remove()
         if isinstance(exc, ValueError):
             raise
-        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
-                         f"{exc}") from exc
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
     ddp_model._commpress_state = state
     return state
 
@@ -199,13 +209,11 @@ def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None):
     error-feedback residuals (:func:`comms.adam.momentum_space`); ``None`` otherwise or when
     ``adam_freeze`` is ``None`` (the gradient path). ``comm_fn``/``iter_fn``: the communicator
     its freeze agreement uses and the step counter (default: the DDP state's)."""
-    if adam_freeze is None or optimizer is None or not adam_family(optimizer):
-        return None
-    if not momentum_space(state.compressor, state.error_feedback):
+    if adam_freeze is None or _no_adam_pairing(state, optimizer) is not None:
         return None
     mode = "local" if getattr(state.compressor, "sparsifies", False) else "shared"
-    adam = FrozenVarianceAdam(optimizer, mode=mode, freeze=adam_freeze,
-                              min_steps=max(10, state.start_iter + state.warmup_steps + 1))
+    adam = FrozenVarianceAdam(optimizer, mode=mode, freeze=str(adam_freeze) if isinstance(adam_freeze, _Default)
+                              else adam_freeze, min_steps=max(10, state.start_iter + state.warmup_steps + 1))
     adam.comm_fn = comm_fn or state.comm
     adam.iter_fn = iter_fn or (lambda: state.iter)
     return adam
@@ -218,6 +226,48 @@ def check_adam_freeze(adam_freeze) -> None:
     if isinstance(adam_freeze, bool) or not isinstance(adam_freeze, int) or adam_freeze < 1:
         raise ValueError(f"adam_freeze must be 'auto', None or an int >= 1 (the step the "
                          f"variance freezes at), got {adam_freeze!r}")
+
+
+def _no_adam_pairing(state, optimizer, sparsifiers_only: bool = False) -> str | None:
+    """Why no Adam pairing applies to ``state`` and ``optimizer`` (``None``: one does)."""
+    if optimizer is None:
+        return "no optimizer= was given"
+    if not adam_family(optimizer):
+        return f"the optimizer is {type(optimizer).__name__}, not torch.optim.Adam/AdamW"
+    spec = state.compressor.spec()
+    if not momentum_space(state.compressor, state.error_feedback):
+        return (f"{spec!r} keeps Adam's gradient path (momentum space serves biased compressors "
+                "with error feedback: top-k, random-k, sign)")
+    if sparsifiers_only and not getattr(state.compressor, "sparsifies", False):
+        return f"{spec!r} keeps Adam's gradient path on FSDP/HSDP (momentum space serves top-k, random-k)"
+    return None
+
+
+def check_pairing(state, optimizer, adam_freeze, named_parameters, sparsifiers_only: bool = False) -> None:
+    """Before anything changes: ``optimizer`` holds every trainable parameter of the model
+    (the hook takes its momentum over and pairs with its steps), and an explicit
+    ``adam_freeze`` applies (an explicit ``None`` — the gradient path — always does).
+
+    Raises:
+        ValueError: naming the parameter the optimizer lacks, or why ``adam_freeze`` does
+            not apply."""
+    if optimizer is not None:
+        _group_momenta(optimizer)  # a TypeError for a non-optimizer, first
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        trainable = [n for n, p in named_parameters if p.requires_grad and id(p) not in held]
+        if trainable:
+            total = sum(1 for g in optimizer.param_groups for _ in g["params"])
+            raise ValueError(f"optimizer= does not hold the model's parameter {trainable[0]!r}"
+                             f"{f' (and {len(trainable) - 1} more)' if len(trainable) > 1 else ''} among "
+                             f"the {total} tensor(s) it holds: pass the optimizer that trains every "
+                             "trainable parameter of this model (its momentum is taken over and "
+                             "paired with the hook)")
+    if adam_freeze is ADAM_FREEZE_DEFAULT or adam_freeze is None:
+        return
+    why = _no_adam_pairing(state, optimizer, sparsifiers_only)
+    if why is not None:
+        raise ValueError(f"adam_freeze={adam_freeze!r} does not apply: {why}; leave it out "
+                         "(or pass None)")
 
 
 def _is_fsdp2(model) -> bool:
@@ -238,10 +288,11 @@ def replica_guard(module, check_replicas_every, **kw):
     return None
 
 
-def pair_optimizer(optimizer, build, kwargs: dict):
+def pair_optimizer(optimizer, build, kwargs: dict, check=None):
     """Build a hook state with ``build(**kwargs)`` paired with ``optimizer`` as
     :func:`register` describes: SGD momentum taken over (validated with a probe state first,
     so a bad option changes nothing), the pairing checked, or a warning without an optimizer.
+    ``check(probe)``: raises before anything changes (:func:`check_pairing`).
 
     The optimizer's param groups are marked (:data:`PAIRED_KEY`: the momentum the hook
     applies). An optimizer that comes marked was restored from a commpress run's checkpoint:
@@ -253,6 +304,8 @@ def pair_optimizer(optimizer, build, kwargs: dict):
         for :func:`give_back_momentum` if registering fails afterwards.
     """
     taken, resumed = None, None
+    if check is not None:
+        check(build(**kwargs))  # validates the options too, before anything changes
     if optimizer is not None:
         momenta = _group_momenta(optimizer)  # TypeError before anything changes
         resumed = paired_momentum(optimizer)

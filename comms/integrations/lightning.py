@@ -72,7 +72,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.nn.parallel import DistributedDataParallel
 
-from ..register import check_optimizer, mark_paired, take_over_momentum
+from ..register import ADAM_FREEZE_DEFAULT, check_optimizer, mark_paired, take_over_momentum
 from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, \
     warn_no_state
 from .rank_states import RankStates
@@ -105,7 +105,8 @@ class CommpressDDPStrategy(DDPStrategy):
         algorithm, momentum, momentum_masking, clip_norm, residual_bound, warmup_steps,
             error_feedback, start_iter, seed, min_compress_numel, autotune, autotune_steps,
             check_replicas_every, adam_freeze: as :func:`comms.register` (defaults are its
-            defaults; ``adam_freeze`` applies with an Adam/AdamW from ``configure_optimizers``).
+            defaults; ``adam_freeze="auto"`` is the default whatever the optimizer, an int
+            needs an Adam/AdamW from ``configure_optimizers`` that pairs).
             ``momentum=None`` takes SGD's momentum over from the optimizer.
         commpress_timeout: ``comms.register``'s ``timeout`` (seconds any commpress wait may
             last); ``None``: the process group's, i.e. this strategy's ``timeout``.
@@ -179,8 +180,11 @@ class CommpressDDPStrategy(DDPStrategy):
             return  # not fitting: nothing is reduced
         state = getattr(self.model, "_commpress_state", None)
         if state is None:
+            options = dict(self.commpress_options)
+            if options["adam_freeze"] == "auto":  # the default (a config file or a spawned copy
+                options["adam_freeze"] = ADAM_FREEZE_DEFAULT  # cannot tell it from the value)
             self.commpress_state = register_paired(self.model, self.commpress_compressor,
-                                                   self.optimizers, **self.commpress_options)
+                                                   self.optimizers, **options)
             if self._commpress_pending is not None:  # restored before setup
                 RankStates(self.commpress_state).load_state_dict(self._commpress_pending)
                 self._commpress_pending = None

@@ -20,15 +20,16 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..register import check_adam_freeze, check_optimizer, mark_paired, register, take_over_momentum
+from ..register import check_adam_freeze, register
 from ..state import CompressionState
 
-__all__ = ["REGISTER_OPTIONS", "check_options", "unwrap_optimizer", "register_paired",
+__all__ = ["REGISTER_OPTIONS", "check_options", "unwrap_optimizer", "register_paired", "SeveralOptimizers",
            "repair_momentum", "warn_no_state", "MISSING_STATE", "summary",
            "find_ddp", "register_model"]
 
@@ -128,9 +129,11 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
     (possibly wrapped) optimizers.
 
     One optimizer: exactly :func:`comms.register` with ``optimizer=``. None: ``register``
-    without it. Several: the hook applies one momentum to every gradient bucket, so every
-    param group of every optimizer must have the same SGD momentum (taken over from all of
-    them, each set to 0) or none; ``momentum=`` given: all must have momentum 0.
+    without it. Several: they are paired as one (:class:`SeveralOptimizers`: together they
+    must hold every trainable parameter); the hook applies one momentum to every gradient
+    bucket, so every param group of every optimizer must have the same SGD momentum (taken
+    over from all of them, each set to 0) or none; ``momentum=`` given: all must have
+    momentum 0. Adam's momentum space pairs with one optimizer only.
 
     Raises:
         ValueError: optimizers or param groups with different momenta, or with dampening or
@@ -149,14 +152,22 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
                              "them one SGD momentum, or pass momentum= and run them with momentum 0")
         for i, o in enumerate(opts):
             _check_heavy_ball(o, f"optimizer {i} ({type(o).__name__})")
-    state = register(ddp_model, compressor, optimizer=opts[0], **options)
-    if options.get("momentum") is None and state.momentum is not None:
-        for o in opts[1:]:  # the first was taken over by register
-            take_over_momentum(o)
-    for o in opts[1:]:
-        check_optimizer(state, o)
-        mark_paired(o, state.momentum)
-    return state
+    return register(ddp_model, compressor, optimizer=SeveralOptimizers(opts), **options)
+
+
+class SeveralOptimizers(torch.optim.Optimizer):
+    """Several optimizers' param groups as one optimizer's (the same group dicts), for the
+    pairing: the momenta it reads, takes over and marks are theirs. It never steps; a
+    step hook registered on it never fires."""
+
+    def __init__(self, optimizers: Sequence):  # noqa: D107 - no Optimizer.__init__: no new groups
+        self.optimizers = list(optimizers)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self.defaults, self.state = {}, {}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+
+    def step(self, closure=None):
+        raise RuntimeError("SeveralOptimizers pairs optimizers with the hook; step each of them")
 
 
 def repair_momentum(state: CompressionState | None, optimizers: Sequence, where: str) -> None:

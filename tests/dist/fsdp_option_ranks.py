@@ -209,3 +209,44 @@ def adam_quality(rank, world, mode, spec, steps, adam_freeze):
                 evals.append(float(nn.functional.cross_entropy(model(data[2]), data[3])))
     adam = None if state is None or state.adam is None else state.adam.state_dict()
     return {"final": sum(evals[-3:]) / 3, "adam": adam, "local": local_shards(model)}
+
+
+class WithIdle(SometimesUnused):
+    """:class:`SometimesUnused` plus a parameter no step ever uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.idle = nn.Parameter(torch.ones(7))
+
+
+def unused_under_adamw(rank, world, mode, spec):
+    """AdamW with weight decay; ``bias`` gets no gradient on odd steps, ``idle`` never: per odd
+    step whether ``bias`` stayed bitwise, whether ``idle`` is still its initial value, and the
+    residual of the root module across an unused step (it survives: same bits)."""
+    mesh, rg = _mesh(mode, world)
+    if spec is None and mode == "hsdp":  # plain: native HSDP on the 2-D mesh
+        mesh = mesh.get_root_mesh() if hasattr(mesh, "get_root_mesh") else mesh._get_root_mesh()
+    torch.manual_seed(0)
+    model = _shard_unused(WithIdle(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    state = None if spec is None else comms.fsdp.register(
+        model, spec, replicate_group=rg, optimizer=opt, **pinned(spec, rg is not None, warmup_steps=0))
+    kept, grads_none, memory_kept = [], [], []
+
+    def root_memory():  # the root module holds only bias and idle: all of it unused on odd steps
+        if state is None:
+            return []
+        i = state.modules.index("")
+        return [d[i].clone() for d in (state.memory.residuals, state.memory.velocities) if i in d]
+
+    for s in range(8):
+        model.step = s
+        before, mem_before = model.bias.to_local().detach().clone(), root_memory()
+        steps(model, opt, rank, s, s + 1)
+        if s % 2:
+            kept.append(torch.equal(before, model.bias.to_local()))
+            grads_none.append(model.bias.grad is None and model.idle.grad is None)
+            memory_kept.append(all(torch.equal(a, b) for a, b in zip(mem_before, root_memory())))
+    return {"kept": kept, "grads_none": grads_none, "memory_kept": memory_kept, "idle": torch.equal(model.idle.full_tensor(), torch.ones(7)),
+            "params": full_params(model), "resets": None if state is None else state.memory.layout_resets,
+            "dropped": None if state is None else state.unused.dropped}

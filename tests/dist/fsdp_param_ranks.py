@@ -122,3 +122,39 @@ def bf16_parameters(rank, world, n_steps):
     everyone = [None] * world
     dist.all_gather_object(everyone, [t.reshape(-1) for t in used])
     return {"used": everyone, "losses": losses, "calls": sum(g.calls for g in state.gather_stats.values())}
+
+
+def forward_backward_parameters(rank, world, spec, n_steps):
+    """``params="auto"`` with the default algorithm through its tuning steps: per step, how many
+    Linear weights the backward computed with different values than the forward (the unsharded
+    parameter read in the forward pre-hook and again when its gradient is computed), whether the
+    forward used the fp32 masters (the full route) or not (int8), and every rank's forward
+    weights (hashed) for a cross-rank comparison."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = shard_model(make_model(), mesh)
+    state = comms.fsdp.register(model, spec)  # every option at its default
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    differ, full_route, digests = [], [], []
+    for s in range(n_steps):
+        master = [m.weight.full_tensor().detach().clone() for m in linears]
+        fwd, bwd, handles = {}, {}, []
+
+        def grab(mod, _args):
+            w = mod.weight  # the unsharded parameter this step computes with
+            fwd[id(mod)] = w.detach().clone()
+            handles.append(w.register_hook(lambda g, w=w, k=id(mod): bwd.__setitem__(k, w.detach().clone())))
+
+        pre = [m.register_forward_pre_hook(grab) for m in linears]
+        steps(model, opt, rank, s, s + 1)
+        for h in pre + handles:
+            h.remove()
+        differ.append(sum(not torch.equal(fwd[id(m)], bwd[id(m)]) for m in linears))
+        full_route.append([torch.equal(fwd[id(m)], w) for m, w in zip(linears, master)])
+        digests.append([float(fwd[id(m)].double().mul(torch.arange(fwd[id(m)].numel(), dtype=torch.float64)
+                                                      .view_as(fwd[id(m)]).add(1)).sum()) for m in linears])
+    everyone = [None] * world
+    dist.all_gather_object(everyone, digests)
+    return {"differ": differ, "full_route": full_route, "digests": everyone,
+            "decision": dict(state.gather_tuner.decision), "params": state.params}

@@ -210,6 +210,20 @@ def error_cases(rank, world):
     expect("algorithm_in_fsdp_mode", lambda: comms.fsdp.register(model, "sign", algorithm="allgather"))
     expect("mesh_as_group", lambda: comms.fsdp.register(model, "sign", replicate_group=mesh))
     expect("plain_module", lambda: comms.fsdp.register(make_model(), "sign"))
+    # an optimizer of another model: its momentum would be zeroed and the hook's applied here
+    foreign = torch.optim.SGD(make_model(1).parameters(), lr=0.1, momentum=0.9)
+    expect("foreign_optimizer", lambda: comms.fsdp.register(model, "sign", optimizer=foreign))
+    errs["foreign_momentum"] = foreign.param_groups[0]["momentum"]  # untouched
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expect("adam_freeze_sgd", lambda: comms.fsdp.register(model, "topk:density=0.1", optimizer=sgd,
+                                                          adam_freeze=20))
+    errs["sgd_momentum"] = sgd.param_groups[0]["momentum"]  # untouched
+    adamw = torch.optim.AdamW(model.parameters())
+    expect("adam_freeze_qsgd", lambda: comms.fsdp.register(model, "qsgd:bits=4", optimizer=adamw,
+                                                           adam_freeze="auto"))
+    expect("adam_freeze_no_optimizer", lambda: comms.fsdp.register(model, "topk:density=0.1", adam_freeze=10))
+    rg = dist.new_group(list(range(world)))
+    expect("hsdp_powersgd", lambda: comms.fsdp.register(model, "powersgd:rank=1", replicate_group=rg))
     # FSDP1 needs an accelerator to construct; the check only looks at the type
     fake1 = FSDP1.__new__(FSDP1)
     nn.Module.__init__(fake1)

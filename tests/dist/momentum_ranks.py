@@ -180,3 +180,37 @@ def warmup_steps_taken(rank: int, world: int, steps: int = 3) -> list:
                     state.stats[0].wire_bytes))
         opt.step()
     return out
+
+
+def pairing_errors(rank: int, world: int) -> dict:
+    """``register`` refuses, before anything changes, an optimizer that does not hold the model's
+    parameters and an ``adam_freeze`` where no Adam pairing applies; returns each error and the
+    optimizers' momenta afterwards (untouched)."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import comms
+
+    errs = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+            errs[name] = None
+        except (TypeError, ValueError) as exc:
+            errs[name] = f"{type(exc).__name__}: {exc}"
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    foreign = torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1, momentum=0.9)
+    part = torch.optim.SGD(model.module[0].parameters(), lr=0.1, momentum=0.9)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adamw = torch.optim.AdamW(model.parameters())
+    expect("foreign", lambda: comms.register(model, "topk:density=0.1", optimizer=foreign))
+    expect("part", lambda: comms.register(model, "topk:density=0.1", optimizer=part))
+    expect("sgd", lambda: comms.register(model, "topk:density=0.1", optimizer=sgd, adam_freeze=10))
+    expect("qsgd", lambda: comms.register(model, "qsgd:bits=4", optimizer=adamw, adam_freeze="auto"))
+    expect("none", lambda: comms.register(model, "sign", adam_freeze="auto"))
+    expect("explicit_off", lambda: comms.register(model, "qsgd:bits=4", optimizer=sgd, adam_freeze=None))
+    return {"errs": errs, "momenta": [o.param_groups[0]["momentum"] for o in (foreign, part, sgd)],
+            "hooked": getattr(model, "_commpress_state", None) is not None}

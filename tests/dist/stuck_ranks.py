@@ -42,7 +42,7 @@ import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["CASES", "FAST_CASES", "Case", "run_one", "format_table"]
+__all__ = ["CASES", "FAST_CASES", "Case", "run_one", "format_table", "stamp_and_die", "shorten_groups"]
 
 
 class Case:
@@ -52,8 +52,9 @@ class Case:
     (long timeout). ``world``: ranks (the victim is the last); ``nodes``: per-rank
     ``COMMPRESS_NODE`` names (hierarchical algorithms)."""
 
-    def __init__(self, label, spec, kw, phase, steps=20, at=None, world=3, nodes=None, tuner=None):
+    def __init__(self, label, spec, kw, phase, steps=20, at=None, world=3, nodes=None, tuner=None, body=None):
         self.label, self.spec, self.kw, self.phase = label, spec, dict(kw), phase
+        self.body = body  # the rank body (default: DDP, this module's _body)
         self.tuner = dict(tuner or {})  # attributes of state.planner.tuner (max_steps)
         self.steps = steps
         self.at = at
@@ -123,6 +124,28 @@ def _shorten(state, seconds: float) -> None:
     state.timeout = seconds
 
 
+def stamp_and_die(stamp_dir: str, how: str, stamp: dict) -> None:
+    """The victim: write ``stamp`` (with the wall time) where the parent looks, then SIGSTOP
+    (a hung process) or SIGKILL (a dead one) itself."""
+    stamp = dict(stamp, t=time.time())
+    tmp = os.path.join(stamp_dir, "stopped.tmp")
+    with open(tmp, "w") as f:
+        json.dump(stamp, f)
+    os.replace(tmp, os.path.join(stamp_dir, "stopped"))
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def shorten_groups(seconds: float) -> None:
+    """Every process group's timeout set to ``seconds`` (the default group and the sub-groups
+    of a device mesh), as if each had been created with that timeout."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    for pg in list(_world.pg_map):
+        if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
+            _set_pg_timeout(timedelta(seconds=seconds), group=pg)
+
+
 def _body(rank, world, case, how, seed, stamp_dir, pg_timeout):
     import torch
     import torch.distributed as dist
@@ -150,12 +173,7 @@ def _body(rank, world, case, how, seed, stamp_dir, pg_timeout):
     where_ = rng.randrange(len(params) + 1)  # 0: before the forward; k: in backward at param k-1
 
     def die(step):
-        stamp = {"t": time.time(), "step": step, "where": where_, "phase": _phase(state, step)}
-        tmp = os.path.join(stamp_dir, "stopped.tmp")
-        with open(tmp, "w") as f:
-            json.dump(stamp, f)
-        os.replace(tmp, os.path.join(stamp_dir, "stopped"))
-        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        stamp_and_die(stamp_dir, how, {"step": step, "where": where_, "phase": _phase(state, step)})
 
     for step in range(case.steps):
         if step == case.at[0]:
@@ -196,7 +214,7 @@ def _child(rank, world, port, setup_timeout, pg_timeout, q, release, case, how, 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=setup_timeout))
-        out = _body(rank, world, case, how, seed, stamp_dir, pg_timeout)
+        out = (case.body or _body)(rank, world, case, how, seed, stamp_dir, pg_timeout)
         q.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         q.put((rank, False, traceback.format_exc()))

@@ -89,6 +89,14 @@ def test_bad_input_raises_before_anything_changes():
     assert e["groups"] == 2
     assert e["multi_group"].startswith("ValueError") and "2 parameter groups" in e["multi_group"]
     assert e["twice"].startswith("ValueError") and "already" in e["twice"]
+    assert e["foreign_optimizer"].startswith("ValueError") and "does not hold the model's parameter" \
+        in e["foreign_optimizer"] and e["foreign_momentum"] == 0.9
+    assert "adam_freeze=20 does not apply" in e["adam_freeze_sgd"] and "SGD" in e["adam_freeze_sgd"]
+    assert e["sgd_momentum"] == 0.9
+    assert "adam_freeze='auto' does not apply" in e["adam_freeze_qsgd"] and "gradient path" in e["adam_freeze_qsgd"]
+    assert "no optimizer" in e["adam_freeze_no_optimizer"]
+    assert e["hsdp_powersgd"].startswith("ValueError") and "HSDP shard" in e["hsdp_powersgd"] \
+        and "supports" not in e["hsdp_powersgd"]
     assert res["before"] == res["after"] == ["DefaultReduceScatter"] * 3
     assert res["multi_first"] == "DefaultReduceScatter"  # the failed register changed no child
     assert res["final"] == ["CompressedReduceScatter"] * 3

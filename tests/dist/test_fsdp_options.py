@@ -102,3 +102,17 @@ def test_adamw_topk_in_momentum_space_keeps_quality(mode):
         assert grad[0]["final"] / dense <= 1.09, (grad[0]["final"], dense)
     if mode == "hsdp":  # 2 replicas x 1 shard: the replicas hold the same bits
         assert torch.equal(ours[0]["local"], ours[1]["local"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("spec", [None, "qsgd:bits=4", "topk:density=0.1"])
+def test_an_unused_parameter_stays_bitwise_under_adamw_as_in_plain_fsdp2(mode, spec):
+    res = spawn(R.unused_under_adamw, 2, mode, spec, timeout=240)
+    for r in res:
+        # no gradient on any rank: AdamW's decay and momentum leave it as it was
+        assert r["kept"] == [True] * 4 and r["grads_none"] == [True] * 4, r
+        assert r["idle"], r
+        if spec is not None:  # residuals and velocities survive the steps that leave it unused
+            assert r["resets"] == 0 and r["dropped"] > 0 and r["memory_kept"] == [True] * 4, r
+    assert torch.equal(res[0]["params"], res[1]["params"])

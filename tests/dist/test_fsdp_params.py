@@ -82,3 +82,18 @@ def test_bf16_parameters_gather_int8_codes_into_bf16():
         assert all(torch.equal(a, b) for a, b in zip(used[0], used[1]))
         assert all(v == v for v in r["losses"]) and sum(r["losses"][-5:]) < sum(r["losses"][:5])
         assert r["calls"] > 0
+
+
+def test_auto_params_forward_and_backward_see_the_same_parameters_every_step():
+    # the default path (params="auto", algorithm="auto") tunes full vs int8 per module: each
+    # step's forward and backward all-gathers take the same route (a decision applies from
+    # the next step), so both compute with the same parameters, on every rank
+    res = spawn(P.forward_backward_parameters, 2, "qsgd:bits=4", 14, timeout=300)
+    for r in res:
+        assert r["params"] == "tuned"
+        assert r["differ"] == [0] * 14, r["differ"]
+        # the tuning steps used both routes: some forwards on the masters, some on int8 codes
+        routes = [x for step in r["full_route"] for x in step]
+        assert any(routes) and not all(routes), r["full_route"]
+        assert r["decision"], r  # every module decided within the 14 steps
+    assert res[0]["digests"][0] == res[0]["digests"][1]
