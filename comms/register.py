@@ -296,8 +296,9 @@ def pair_optimizer(optimizer, build, kwargs: dict, check=None):
 
     The optimizer's param groups are marked (:data:`PAIRED_KEY`: the momentum the hook
     applies). An optimizer that comes marked was restored from a commpress run's checkpoint:
-    its saved momentum is 0, so the hook takes the marked momentum, and a state not loaded
-    (``state.load_state_dict``) by the first ``optimizer.step()`` is reported once (WARNING).
+    its saved momentum is 0, so the hook takes the marked momentum. Marked at registration or
+    loaded marked afterwards, a state not loaded (``state.load_state_dict``) by the next
+    ``optimizer.step()`` is reported once (WARNING).
 
     Returns:
         ``(state, taken)``: ``taken`` what was changed on ``optimizer`` (``None``: nothing),
@@ -320,8 +321,7 @@ def pair_optimizer(optimizer, build, kwargs: dict, check=None):
         check_optimizer(state, optimizer)
         taken = _Taken(taken, [g.get(PAIRED_KEY) for g in optimizer.param_groups])
         mark_paired(optimizer, state.momentum)
-        if resumed is not None:
-            _report_unrestored_at_first_step(state, optimizer)
+        _watch_resume(state, optimizer, armed=resumed is not None)
     elif state.momentum is None and _wants_correction(state):
         logger.warning("commpress: %r keeps error-feedback residuals and was not told the "
                        "optimizer's momentum; with SGD momentum pass register(..., optimizer=opt) "
@@ -352,15 +352,26 @@ def mark_paired(optimizer, momentum) -> None:
         g[PAIRED_KEY] = float(momentum or 0.0)
 
 
-def _report_unrestored_at_first_step(state, optimizer) -> None:
-    """At the first ``optimizer.step()``: a WARNING unless ``state`` was loaded (or its
-    absence reported already)."""
-    ref, fired = weakref.ref(state), []
+def _watch_resume(state, optimizer, armed: bool) -> None:
+    """Report a commpress state not loaded by the first ``optimizer.step()`` after the
+    optimizer came from a commpress run's checkpoint: at registration (``armed``) or loaded
+    afterwards (its groups carry the mark). A checkpoint without the mark (a plain run's) gets
+    it back: the hook's momentum is still what the optimizer's 0 stands for."""
+    ref, flags = weakref.ref(state), {"armed": armed}
+
+    def loaded(opt):
+        st = ref()
+        if st is None:
+            return
+        if paired_momentum(opt) is None:
+            mark_paired(opt, st.momentum)
+        else:
+            flags["armed"] = True
 
     def check(opt, args, kwargs):
-        if fired:
+        if not flags["armed"]:
             return None
-        fired.append(True)
+        flags["armed"] = False
         st = ref()
         if st is not None and not settled(st):
             settle(st)
@@ -368,6 +379,7 @@ def _report_unrestored_at_first_step(state, optimizer) -> None:
         return None
 
     optimizer.register_step_pre_hook(check)
+    optimizer.register_load_state_dict_post_hook(loaded)
 
 
 def give_back_momentum(optimizer, taken) -> None:

@@ -49,6 +49,7 @@ import torch
 
 from .pairing import find_ddp, register_model, repair_momentum, \
     warn_no_state
+from ..checkpoint import settle
 from .rank_states import RankStates
 
 __all__ = ["register", "find_ddp", "load_state"]
@@ -138,6 +139,8 @@ def load_state(accelerator, input_dir: str, **kwargs) -> None:
     if ours and _missing(accelerator, input_dir):
         if accelerator.is_main_process:
             warn_no_state(input_dir, states[0].compressor.spec())
+        for st in states:
+            settle(st)  # reported: the first step's check stays quiet
         kept = list(accelerator._custom_objects)
         accelerator._custom_objects[:] = [o for o in kept if not isinstance(o, RankStates)]
         try:

@@ -72,6 +72,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.nn.parallel import DistributedDataParallel
 
+from ..checkpoint import settle
 from ..register import ADAM_FREEZE_DEFAULT, check_optimizer, mark_paired, take_over_momentum
 from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, \
     warn_no_state
@@ -185,9 +186,11 @@ class CommpressDDPStrategy(DDPStrategy):
                 options["adam_freeze"] = ADAM_FREEZE_DEFAULT  # cannot tell it from the value)
             self.commpress_state = register_paired(self.model, self.commpress_compressor,
                                                    self.optimizers, **options)
-            if self._commpress_pending is not None:  # restored before setup
+            if self._commpress_pending:  # restored before setup
                 RankStates(self.commpress_state).load_state_dict(self._commpress_pending)
-                self._commpress_pending = None
+            elif self._commpress_pending is not None:  # a checkpoint without it, reported
+                settle(self.commpress_state)
+            self._commpress_pending = None
             return
         for opt in map(unwrap_optimizer, self.optimizers):  # optimizers rebuilt on the same model
             momenta = {float(g.get("momentum", 0.0) or 0.0) for g in opt.param_groups}
@@ -211,6 +214,10 @@ class CommpressDDPStrategy(DDPStrategy):
                 trainer = getattr(self.lightning_module, "_trainer", None)
                 warn_no_state(getattr(trainer, "ckpt_path", None) or "being restored",
                               self.commpress_compressor.spec())
+            if self.commpress_state is None:
+                self._commpress_pending = {}  # reported: settled once registered
+            else:
+                settle(self.commpress_state)
             return
         if self.commpress_state is None:
             self._commpress_pending = sd  # the hook is registered in setup, after this

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..checkpoint import settle
 from ..register import check_adam_freeze, register
 from ..state import CompressionState
 
@@ -186,9 +187,12 @@ def repair_momentum(state: CompressionState | None, optimizers: Sequence, where:
                            "carry over into the hook's velocity)", where, found, state.momentum)
 
 
-def warn_no_state(source, spec: str) -> None:
-    """The WARNING for a checkpoint without commpress state loaded while compressing."""
+def warn_no_state(source, spec: str, states: Sequence = ()) -> None:
+    """The WARNING for a checkpoint without commpress state loaded while compressing;
+    ``states``: the hook states it concerns, settled (their first step reports nothing more)."""
     logger.warning(MISSING_STATE, source, spec)
+    for st in states:
+        settle(st)
 
 
 def summary(state) -> dict[str, Any]:

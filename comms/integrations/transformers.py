@@ -46,7 +46,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..checkpoint import owner, settle
+from ..checkpoint import owner
 from .pairing import check_options, find_ddp, register_model, summary, warn_no_state
 
 __all__ = ["register", "CommpressCallback", "CommpressStatsCallback", "STATE_FILE"]
@@ -134,8 +134,7 @@ class CommpressCallback(TrainerCallback):
             self.state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
                                        device=device)
             return
-        warn_no_state(f"{folder} (no {name})", self.state.compressor.spec())
-        settle(self.state)  # reported: the first step's check stays quiet
+        warn_no_state(f"{folder} (no {name})", self.state.compressor.spec(), [self.state])
 
     def on_save(self, args, state, control, **kwargs):
         if self.state is None:

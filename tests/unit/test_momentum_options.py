@@ -247,6 +247,18 @@ def test_a_restored_optimizer_keeps_the_take_over_and_reports_a_state_not_loaded
         assert len(msgs) == (0 if load else 1), msgs
         assert load or "was not loaded before the first step" in msgs[0]
 
+    for saved_by, warns in ((saved, 1), (_sgd(momentum=0.9).state_dict(), 0)):
+        # README's order: register, then load the optimizer (a commpress run's, or a plain run's)
+        later = _sgd(momentum=0.9)
+        kept, _ = pair_optimizer(later, _build, {})  # DDP holds the state; here the test does
+        later.load_state_dict(saved_by)
+        assert later.param_groups[0][PAIRED_KEY] == 0.9  # a plain run's groups get the mark back
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            later.step()
+        assert len(caplog.records) == warns, [r.getMessage() for r in caplog.records]
+        assert kept.momentum == 0.9
+
     opt = _sgd(momentum=0.9)  # a registration that fails afterwards leaves nothing behind
     _, taken = pair_optimizer(opt, _build, {})
     give_back_momentum(opt, taken)
