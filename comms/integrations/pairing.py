@@ -20,7 +20,6 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -158,14 +157,22 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
 
 class SeveralOptimizers(torch.optim.Optimizer):
     """Several optimizers' param groups as one optimizer's (the same group dicts), for the
-    pairing: the momenta it reads, takes over and marks are theirs. It never steps; a
-    step hook registered on it never fires."""
+    pairing: the momenta it reads, takes over and marks are theirs, and the hooks registered
+    on it go to each of them. It never steps itself."""
 
-    def __init__(self, optimizers: Sequence):  # noqa: D107 - no Optimizer.__init__: no new groups
+    def __init__(self, optimizers: Sequence):  # no Optimizer.__init__: it would copy the groups
         self.optimizers = list(optimizers)
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
         self.defaults, self.state = {}, {}
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+
+    def register_step_pre_hook(self, hook):
+        return [o.register_step_pre_hook(hook) for o in self.optimizers]
+
+    def register_step_post_hook(self, hook):
+        return [o.register_step_post_hook(hook) for o in self.optimizers]
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return [o.register_load_state_dict_post_hook(hook, prepend) for o in self.optimizers]
 
     def step(self, closure=None):
         raise RuntimeError("SeveralOptimizers pairs optimizers with the hook; step each of them")
