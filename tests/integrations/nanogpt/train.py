@@ -5,9 +5,10 @@ tied weights, grad clipping, a GradScaler, the learning-rate schedule, rank 0 wr
 add README's nanoGPT lines and run it.
 
 Differences from the published script, all outside the lines README adds: CPU and gloo (no
-``cuda.set_device``, no ``device_ids``), synthetic tokens instead of ``data/*.bin``, and
-batches drawn from a generator seeded by (rank, micro-batch index) instead of the global RNG,
-so a resumed run sees the uninterrupted run's batches. ``--key=value`` overrides a setting;
+``cuda.set_device``, no ``device_ids``), synthetic tokens instead of ``data/*.bin``, batches
+drawn from a generator seeded by (rank, micro-batch index) instead of the global RNG, so a
+resumed run sees the uninterrupted run's batches, and a barrier before leaving (README,
+Troubleshooting). ``--key=value`` overrides a setting;
 ``--report=PATH`` writes each rank's final parameters and commpress hook numbers
 (``PATH.rank{R}.pt``, ``PATH.rank{R}.json``).
 """
@@ -21,7 +22,7 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -180,4 +181,5 @@ if report:  # the tests' instruments, one pair of files per rank
                    'frozen_at': None if st is None or st.adam is None else st.adam.freeze_iter,
                    'final_loss': loss.item() * gradient_accumulation_steps}, f)
 if ddp:
+    barrier()  # README, Troubleshooting: gloo can abort at exit when one rank leaves first
     destroy_process_group()
