@@ -114,7 +114,7 @@ def _body(rank: int, world: int, args, rows):
 
 def run_one(args, world: int, seed: int) -> list[dict]:
     """Every row at one world size and seed, in one set of ranks."""
-    from comms.launch import spawn
+    from comms.cluster.launch import spawn
 
     a = argparse.Namespace(**vars(args))
     a.seed = seed

@@ -179,8 +179,8 @@ class _Capture(logging.Handler):
         """A capture of the planner's lock line and trial table, the cost model's refinement
         and the autotuner's trial steps (what ``--phases`` replays)."""
         cap = cls()
-        for name, level in (("comms.planner", logging.DEBUG), ("comms.cost_model", logging.INFO),
-                            ("comms.autotune", logging.DEBUG)):
+        for name, level in (("comms.tuning.planner", logging.DEBUG), ("comms.tuning.cost_model", logging.INFO),
+                            ("comms.tuning.autotune", logging.DEBUG)):
             lg = logging.getLogger(name)
             lg.setLevel(level)
             lg.addHandler(cap)

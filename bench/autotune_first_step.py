@@ -62,7 +62,7 @@ def first_step_table(blocks: list[tuple[str, list[float]]]) -> list[str]:
 
 
 def rank_main(rank: int, world: int, args):
-    from comms.autotune import Autotuner
+    from comms.tuning.autotune import Autotuner
 
     ddp_step.set_one_bucket(args)
     cfg = hooks.HookConfig(f"auto({hooks.short_label(args.spec, None)})", "ours", args.spec, "auto", None)

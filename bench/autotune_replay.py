@@ -5,7 +5,7 @@ one that is not faster at all, under the step-to-step noise of a real run? This 
 it from measured steps instead of a noise model: ``bench/ddp_step.py --interleave 2 --json``
 times dense and compressed hooks in alternating blocks of 2 steps (the autotuner's trial
 rounds: dense, A, B, ... with the first step of each not counted), keeping every counted
-step's time (``times_ms``). Each replayed tuning runs :class:`comms.autotune.Autotuner` on a
+step's time (``times_ms``). Each replayed tuning runs :class:`comms.tuning.autotune.Autotuner` on a
 synthetic clock; each of its rounds draws one measured block ``k`` at random and gives every
 rule its step of that block (and of block ``k + 1`` to a rule's second step in the round) —
 steps taken seconds apart, so a load that moved the whole block moves them all, as in a live
@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from comms.autotune import DENSE, Autotuner  # noqa: E402
+from comms.tuning.autotune import DENSE, Autotuner  # noqa: E402
 
 __all__ = ["load_blocks", "load_phases", "replay", "replay_phase", "main"]
 

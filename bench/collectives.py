@@ -14,12 +14,12 @@ per rank; plus fp slack). ``wire_B`` is bytes sent per rank, ``ratio`` dense/wir
 ``relerr`` ``||out - ref|| / ||ref||``. The floors measured in the same run: ``raw`` (us) is
 one plain allreduce that makes each rank send ``wire_B`` (the link-rate transfer time of the
 row's bytes), ``codec`` (us) the same algorithm on a
-:class:`~comms.communicator.LoopbackCommunicator` (all its CPU work — codec, glue, decoding
+:class:`~comms.transport.communicator.LoopbackCommunicator` (all its CPU work — codec, glue, decoding
 ``W`` payloads — with nothing on the wire), ``floor_x = time / (raw + codec)``.
 
 ``--transport`` adds raw transport rows (no codec): gloo's own allgather / all_to_all /
 allreduce and commpress's pipelined point-to-point exchange
-(:mod:`comms.pipelined_exchange`) of ``size / 4`` bytes per rank (a 4x-compressed payload),
+(:mod:`comms.transport.pipelined_exchange`) of ``size / 4`` bytes per rank (a 4x-compressed payload),
 their ``wire_B`` what each rank sends.
 
 Runs three ways::
@@ -188,9 +188,9 @@ def raw_allreduce_us(comm, wire_bytes: int, iters: int) -> float:
 
 def codec_alone_us(comm, alg, c, x, seed: int, iters: int) -> float:
     """Max over ranks of the algorithm's CPU work alone: the same call on a
-    :class:`~comms.communicator.LoopbackCommunicator` of this world size."""
+    :class:`~comms.transport.communicator.LoopbackCommunicator` of this world size."""
     import compressors
-    from comms.communicator import LoopbackCommunicator
+    from comms.transport.communicator import LoopbackCommunicator
 
     loop = LoopbackCommunicator(comm.world_size, comm.rank)
     store: dict = {}
@@ -207,8 +207,8 @@ def codec_alone_us(comm, alg, c, x, seed: int, iters: int) -> float:
 def transport_rows(comm, size: int, iters: int) -> list[tuple[str, float, int]]:
     """``(label, us, bytes sent per rank)`` of each raw transport of ``size // 4`` bytes."""
     import torch.distributed as dist
-    from comms.communicator import _AG
-    from comms.pipelined_exchange import PipelinedExchange
+    from comms.transport.communicator import _AG
+    from comms.transport.pipelined_exchange import PipelinedExchange
 
     world = comm.world_size
     n = max(world, size // 4 // world * world)
@@ -354,30 +354,30 @@ def _spawned(rank, world, argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = _args(argv)
-    from comms.launch_env import launch_info, mpi_launched
+    from comms.cluster.launch_env import launch_info, mpi_launched
 
     info = launch_info()
     if info is not None and info.launcher == "torchrun" and "MASTER_ADDR" in os.environ:
         from comms import TorchCommunicator
-        from comms.launch import init_from_env
+        from comms.cluster.launch import init_from_env
 
         init_from_env("gloo", timeout_s=600)
         run(TorchCommunicator(), args)
     elif mpi_launched():
         if args.backend == "gloo":
             from comms import TorchCommunicator
-            from comms.mpi import init_torch_from_mpi
+            from comms.cluster.mpi import init_torch_from_mpi
 
             init_torch_from_mpi(timeout_s=600)
             run(TorchCommunicator(), args)
         else:
-            from comms.mpi import MPICommunicator
+            from comms.cluster.mpi import MPICommunicator
 
             comm = MPICommunicator()
             run(comm, args)
             comm.close()
     else:
-        from comms.launch import spawn
+        from comms.cluster.launch import spawn
 
         if args.nranks < 2:
             raise SystemExit("-g/--nranks must be >= 2 when self-spawning")

@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from comms.hook import RESIDUAL_DRAIN_STEPS  # noqa: E402
+from comms.core.engine import DRAIN_STEPS as RESIDUAL_DRAIN_STEPS  # noqa: E402
 
 __all__ = ["MODELS", "ResMLP", "StepRunner", "FloorRunner", "build_model", "interleaved_times", "make_batches",
            "set_one_bucket",

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import comms  # noqa: E402
 import compressors  # noqa: E402
-from comms.launch import spawn  # noqa: E402
+from comms.cluster.launch import spawn  # noqa: E402
 
 __all__ = ["main", "load_digits_split", "run_rank"]
 

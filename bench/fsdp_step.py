@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import comms
-import comms.communicator
-from comms.futures import completed
+import comms.transport.communicator
+from comms.transport.futures import completed
 
 __all__ = ["TinyLM", "rank_main", "main"]
 
@@ -105,7 +105,7 @@ def _model(args, mesh=None, mp=None):
     return model
 
 
-class LoopbackComm(comms.communicator.Communicator):
+class LoopbackComm(comms.transport.communicator.Communicator):
     """A ``world``-rank communicator that moves nothing (every peer "sent" what this rank
     sent): our hooks run their whole codec path at full size, with no transfer."""
 

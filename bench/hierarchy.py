@@ -139,7 +139,7 @@ def job_cost(rank, world, args, topo):
     import torch
 
     import compressors
-    from comms.cost_model import CostModel
+    from comms.tuning.probe import probe
 
     comm = topo.communicator()
     sizes = [256 << 10, 2 << 20, 12 << 20]
@@ -149,7 +149,7 @@ def job_cost(rank, world, args, topo):
     # 5, not 3: a load burst during one round's 128 KiB probe ops fits a latency twice the
     # real one (measured in CI: alpha 15.97 ms against 256 KiB ops of 8.63 ms, three rounds in a row)
     for attempt in range(1, 6):
-        model = CostModel.probe(comm, [compressors.from_spec("fp16")])
+        model = probe(comm, [compressors.from_spec("fp16")])
         measured = []
         for s in sizes:
             buf = torch.zeros(s // 4)
@@ -246,7 +246,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    from comms.topology import Topology
+    from comms.cluster.topology import Topology
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))

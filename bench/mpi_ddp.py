@@ -1,8 +1,8 @@
 """DDP under ``mpirun`` with a hook that communicates through MPI (example and CI check).
 
 torch wheels have no MPI process group, so DDP's own parameter broadcast runs on a gloo
-group initialised from MPI's rank and size (:func:`comms.mpi.init_torch_from_mpi`); every
-gradient bucket then travels through :class:`comms.mpi.MPICommunicator`. At the end every
+group initialised from MPI's rank and size (:func:`comms.cluster.mpi.init_torch_from_mpi`); every
+gradient bucket then travels through :class:`comms.cluster.mpi.MPICommunicator`. At the end every
 rank gathers the parameters over MPI and checks they are bitwise identical.
 
 Example::
@@ -62,7 +62,7 @@ def train_one(comm, spec, algorithm, steps=10):
 
 
 def main(argv=None):
-    from comms.mpi import MPICommunicator, init_torch_from_mpi
+    from comms.cluster.mpi import MPICommunicator, init_torch_from_mpi
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compressor", action="append", default=None)

@@ -9,13 +9,14 @@ Example::
 
 import logging
 
-from .communicator import Communicator, TorchCommunicator
+from .transport.communicator import Communicator, TorchCommunicator
 from .algorithms import ALGORITHMS, get_algorithm
-from .state import BucketStats, CompressionState
-from .hook import compression_hook, dense_allreduce
-from .register import check_optimizer, make_hook, register, take_over_momentum
-from .replicas import ReplicaMismatchError, check_replicas
-from .deadline import CollectiveTimeout
+from .ddp.state import BucketStats, CompressionState
+from .ddp.hook import compression_hook, dense_allreduce
+from .core.pairing import check_optimizer, take_over_momentum
+from .ddp.registration import make_hook, register
+from .core.replicas import ReplicaMismatchError, check_replicas
+from .transport.errors import CollectiveTimeout
 
 __all__ = [
     "Communicator", "TorchCommunicator", "ALGORITHMS", "get_algorithm", "BucketStats",
@@ -23,10 +24,10 @@ __all__ = [
 ]
 __all__ += ["check_replicas", "ReplicaMismatchError", "CollectiveTimeout"]
 
-from .topology import Topology, TieredCommunicator  # noqa: E402
-from .cost_model import CostModel  # noqa: E402
-from .planner import Planner  # noqa: E402
-from .buckets import suggest_bucket_cap_mb, suggest_bucket_cap_mb_list  # noqa: E402
+from .cluster.topology import Topology, TieredCommunicator  # noqa: E402
+from .tuning.cost_model import CostModel  # noqa: E402
+from .tuning.planner import Planner  # noqa: E402
+from .tuning.bucket_sizes import suggest_bucket_cap_mb, suggest_bucket_cap_mb_list  # noqa: E402
 
 __all__ += ["Topology", "TieredCommunicator", "CostModel", "Planner", "suggest_bucket_cap_mb",
             "suggest_bucket_cap_mb_list"]

@@ -1,5 +1,5 @@
 """``BlockQuantizer``: block-wise symmetric int8/int4 codes of a flat float tensor (the
-parameter all-gather codec of :mod:`comms.fsdp_params`; ZeRO++'s qwZ format).
+parameter all-gather codec of :mod:`comms.fsdp.params`; ZeRO++'s qwZ format).
 
 Format (one payload per rank, ``n`` elements, ``B`` = :data:`BLOCK` = 256, ``nb = ceil(n / B)``
 blocks, the last one zero-padded):

@@ -4,7 +4,7 @@ Residuals are per rank and per bucket, in the units the caller compresses; every
 runs before the collective or on this rank's own decoded payload, so it is private
 arithmetic (comms/ARCHITECTURE.md §5). The training policies that act on the same memory
 (momentum correction, momentum masking, the residual drain) live in
-:mod:`comms.local_memory`.
+:mod:`comms.core.memory`.
 """
 
 from __future__ import annotations

@@ -40,8 +40,6 @@ Example::
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import logging
 import math
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from comms.launch import free_port
+from comms.cluster.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -3,9 +3,9 @@
 The DDP benches run the same way under every launcher:
 
 * ``torchrun --nproc-per-node N bench/x.py ...`` and ``mpirun -n N python bench/x.py ...``:
-  rank and world from the environment (:mod:`comms.launch_env`); under MPI the rendezvous
+  rank and world from the environment (:mod:`comms.cluster.launch_env`); under MPI the rendezvous
   port is broadcast with mpi4py when it is installed, else ``MASTER_PORT`` or 29500;
-* ``python bench/x.py -n N ...`` self-spawns N gloo ranks with :func:`comms.launch.spawn`;
+* ``python bench/x.py -n N ...`` self-spawns N gloo ranks with :func:`comms.cluster.launch.spawn`;
 * ``python bench/x.py --netsim RATE -n N ...`` (root) builds N shaped hosts with netsim, one
   rank per host, and runs ``netsim exec K python bench/x.py --rank K ...`` in each.
 
@@ -56,8 +56,8 @@ def init_distributed(rank: int, world: int, launcher: str, master_port: int | No
     import torch
     import torch.distributed as dist
 
-    from comms.launch import free_port
-    from comms.launch_env import MPI_LAUNCHERS
+    from comms.cluster.launch import free_port
+    from comms.cluster.launch_env import MPI_LAUNCHERS
 
     if dist.is_initialized():
         return
@@ -86,7 +86,7 @@ def launch(script: str, body: Callable[..., Any], args, argv: Sequence[str]) -> 
     """
     import torch.distributed as dist
 
-    from comms.launch_env import launch_info
+    from comms.cluster.launch_env import launch_info
 
     if args.rank is not None:  # a netsim child: netsim hosts share this machine's cores
         init_distributed(args.rank, args.world, "netsim", args.master_port, args.timeout)
@@ -107,7 +107,7 @@ def launch(script: str, body: Callable[..., Any], args, argv: Sequence[str]) -> 
         if args.netsim:
             passthrough = strip_flags(argv, {"--netsim": 1, "-n": 1, "--nprocs": 1})
             return netsim_run(script, passthrough, args.nprocs, args.netsim, args.timeout)
-        from comms.launch import spawn
+        from comms.cluster.launch import spawn
 
         env = {"COMMPRESS_THREADS": str(threads_for(args.nprocs))}
         return spawn(body, args.nprocs, args, timeout=args.timeout, env=env)

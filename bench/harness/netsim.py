@@ -63,7 +63,7 @@ def netsim_unavailable() -> str | None:
 
 def rendezvous_port() -> int:
     """A port for the ranks' TCP rendezvous on host 0 (the parent picks it once for all ranks;
-    the hosts are fresh namespaces, so :func:`comms.launch.free_port` here would not apply)."""
+    the hosts are fresh namespaces, so :func:`comms.cluster.launch.free_port` here would not apply)."""
     return 29400 + os.getpid() % 500
 
 

@@ -13,10 +13,9 @@ import torch
 
 from compressors.deferred import Deferred
 
-from ..deadline import advice
-from ..errors import where
+from ..transport.errors import advice, where
 from . import buffers
-from .base import Algorithm, decode_own, hand_over, round_wait
+from .base import Algorithm, PLAIN, Want, decode_own, hand_over, round_wait
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
 __all__ = ["Allgather", "allgather", "GatheredSum"]
@@ -128,15 +127,12 @@ class Allgather(Algorithm):
 
     name = "allgather"
     family = "allgather"
-    deferred_results = True  # the sum can come back unwritten (a GatheredSum)
-
-    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None):
-        """``deferred`` (the hook): the sum comes back as a :class:`GatheredSum`, decoded
-        straight into the bucket; ``own`` False: this rank's own contribution is not decoded
-        (None; the caller keeps no residual and masks nothing); ``on_own``: a callable given
-        it in the caller's thread while the payload round is on the wire (``x`` unchanged
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
+        """``want.deferred``: the sum comes back as a :class:`GatheredSum`, decoded straight
+        where it goes; ``want.own`` False: this rank's own contribution is not decoded (None);
+        ``want.on_own``: given it while the payload round is on the wire (``x`` unchanged
         until the result is used), and None comes back in its place."""
-        return _allgather(comm, compressor, x, ctx, store, deferred, own, on_own)
+        return _allgather(comm, compressor, x, ctx, store, want.deferred, want.own, want.on_own)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         return (world - 1) * compressor.wire_bytes(numel, dtype)

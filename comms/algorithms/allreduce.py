@@ -23,7 +23,7 @@ from compressors import Context
 from compressors.deferred import Deferred
 
 from . import buffers
-from .base import Algorithm, decode_own, hand_over, round_wait
+from .base import PLAIN, Algorithm, Want, decode_own, hand_over, round_wait
 from .wire import layout_of
 
 __all__ = ["Allreduce", "allreduce", "payload_dtype"]
@@ -64,7 +64,7 @@ def _power_iteration(comm, compressor, x, ctx, store, deferred=False):
     if rnd is None:  # nothing worth factorizing: dense, own == x so the residual is zero
         wire = buffers.empty(x.numel(), x.dtype, x.device).copy_(x.detach().reshape(-1))
         return comm.all_reduce(wire).then(lambda f: (f.value(), x))
-    # intermediate round: waited here, in program order (bounded: comms.deadline)
+    # intermediate round: waited here, in program order (bounded: comms.transport.deadline)
     round_wait(comm, comm.all_reduce(rnd.p), ctx, "PowerSGD P allreduce round")
     q = compressor.second_round(rnd)
     q_own = compressor.q_factors(rnd, q).clone()  # the allreduce sums q in place
@@ -86,23 +86,19 @@ class Allreduce(Algorithm):
 
     name = "allreduce"
     family = "allreduce"
-    deferred_results = True  # PowerSGD's and the casts' decodes can come back unwritten (see __call__)
-
-    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None):
-        """``deferred`` (the hook): ``(sum, own)`` may come back as
-        :class:`compressors.base.Deferred` results — a two-round compressor's decodes, and a
-        single-round compressor's where it offers them (:meth:`~compressors.base.Compressor.deferred_own`,
-        ``deferred_sum``: the casts, whose residual and aggregate the hook then writes in one
-        pass over the bucket). ``x`` must then stay unchanged until they are used. ``own``
-        False: the caller has no use for this rank's decoded contribution (no error feedback,
-        no masking) and a single-round compressor's comes back as None, never decoded.
-        ``on_own``: a single-round compressor's ``own`` is handed to it in the caller's thread
-        while the round is on the wire, and None comes back in its place (two-round
-        compressors ignore it and return ``own``)."""
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
+        """``want.deferred``: ``(sum, own)`` may come back as :class:`compressors.base.Deferred`
+        results — a two-round compressor's decodes, and a single-round compressor's where it
+        offers them (:meth:`~compressors.base.Compressor.deferred_own`, ``deferred_sum``: the
+        casts, whose residual and aggregate are then written in one pass over the bucket).
+        ``want.own`` False: a single-round compressor's ``own`` comes back as None, never
+        decoded. ``want.on_own``: a single-round compressor's ``own`` is handed to it while the
+        round is on the wire (two-round compressors return ``own``)."""
+        deferred, on_own = want.deferred, want.on_own
         if compressor.allreduce_rounds == 2:
             return _power_iteration(comm, compressor, x, ctx, store, deferred)
         payload = compressor.compress(x, ctx)
-        own = decode_own(compressor, x, payload, ctx, deferred) if own else None
+        own = decode_own(compressor, x, payload, ctx, deferred) if want.own else None
         dtypes = {t.dtype for t in payload}
         if len(dtypes) != 1:
             raise TypeError(f"{compressor.name} payload mixes dtypes {sorted(map(str, dtypes))}; "

@@ -8,28 +8,33 @@ Contract of a subclass:
 
 * ``name`` (registry key), ``family`` (the compressor family it needs:
   ``Compressor.supports(family)``);
-* ``__call__(comm, compressor, x, ctx, store) -> Future[(sum, own)]``: ``x`` is this rank's
-  flat, averaged-by-world, error-fed bucket; ``sum`` the aggregate every rank receives with
-  the same bits; ``own`` this rank's decoded contribution (the hook's residual is
-  ``x - own``); ``store`` a per-bucket dict of tensors/numbers persisted with the hook state.
-  Rounds are issued from the caller's thread in program order (ARCHITECTURE.md §2); what
-  runs after a collective obeys ARCHITECTURE.md §5;
+* ``__call__(comm, compressor, x, ctx, store, want=Want()) -> Future[(sum, own)]``: ``x`` is
+  this rank's flat, fed contribution; ``sum`` the aggregate every rank receives with the same
+  bits (an algorithm with ``shard = True``: this rank's chunk of it only — a reduce-scatter);
+  ``own`` this rank's decoded contribution (the residual is ``x - own``); ``store`` a
+  per-gradient dict of tensors/numbers persisted with the state. ``want`` (:class:`Want`) is
+  what the caller needs back — the inputs every algorithm reads and honours where it can;
+  either result may come back as a :class:`compressors.deferred.Deferred` written where it
+  goes. Rounds are issued from the caller's thread in program order (ARCHITECTURE.md §2);
+  what runs after a collective obeys ARCHITECTURE.md §5;
 * ``wire_bytes(compressor, numel, dtype, world)``: bytes one rank sends for a bucket (what
   the stats report and the tests count);
 * ``wire_ops(model, compressor, numel, dtype, tier)``: the collectives one bucket issues on
   ``tier`` as ``[(tier, op, wire dtype name, payload bytes)]`` (what the cost model probes);
 * ``cost(model, compressor, numel, dtype, tier)``: predicted seconds on ``tier`` of a
-  :class:`comms.cost_model.CostModel` (alpha-beta per collective plus measured codec time);
+  :class:`comms.tuning.cost_model.CostModel` (alpha-beta per collective plus measured codec time);
 * ``flush_residual_(x, store, comm, numel=None)``: on a switch away from this algorithm, add
   any residual it keeps in ``store`` into ``x`` where the next aggregation counts it exactly
   once; returns whether it added one (default: keeps none);
 * optional ``error_bound(compressor, xs, dtype=None)``: per-element bound of ``|sum - sum(xs)|``;
 * ``holds_back``: whether the aggregate can keep back part of what a rank sent (a second
   compression after the sum, whose residual stays with one rank: two_phase's owner). Such an
-  algorithm takes ``return_held=True`` (the hook passes it for a sparsifier with error
-  feedback): it keeps no residual of its own, and each sender keeps what was left out of its
-  values (:meth:`~compressors.error_feedback.ErrorFeedback.update_returned_`). Otherwise the
-  hook's default momentum masking (``"held"``) zeroes the velocity only where that happened.
+  algorithm honours ``want.return_held`` (a sparsifier with error feedback): it keeps no
+  residual of its own, and each sender keeps what was left out of its values
+  (:meth:`~compressors.error_feedback.ErrorFeedback.update_returned_`). Otherwise the default
+  momentum masking (``"held"``) zeroes the velocity only where that happened;
+* ``shard``: the aggregate is this rank's chunk only (FSDP's reduce-scatter; never a planner
+  candidate for a full all-reduce).
 
 Hierarchical forms are built by composition (:class:`comms.algorithms.hierarchical.Hierarchical`
 wraps any flat instance); nothing parses names.
@@ -39,19 +44,52 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..deadline import wait
-from ..errors import where
+from ..transport.waits import wait
+from ..transport.errors import where
 from . import buffers
 
-__all__ = ["Algorithm", "DENSE", "round_wait", "decode_own", "hand_over"]
+__all__ = ["Algorithm", "DENSE", "Want", "PLAIN", "round_wait", "decode_own", "hand_over"]
 
 logger = logging.getLogger(__name__)
 
 # the name of "no compression, DDP's plain allreduce" wherever a plan names an algorithm
 DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class Want:
+    """What the caller needs back from one algorithm call (built once per call by
+    :meth:`comms.core.stages.Delivery.want`); each algorithm honours the fields it can.
+
+    Attributes:
+        deferred: ``sum`` (and ``own``) may come back as :class:`compressors.deferred.Deferred`
+            results, decoded straight where they go; ``x`` stays unchanged until then.
+        own: this rank's decoded contribution is used (error feedback, masking); False: it may
+            come back as None, never decoded.
+        on_own: ``own`` is handed to it in the caller's thread while the last round is on the
+            wire (e.g. the residual ``x - own``), and None comes back in its place.
+        return_held: a sparsifier with error feedback on an algorithm that holds back: no
+            owner residual; what the second stage left out stays with its sender.
+        exact_own: (a reduce-scatter) this rank's own chunk is added exactly, never encoded.
+        tail: (a reduce-scatter) uint8 bytes riding every payload (the non-finite flag); every
+            rank's come back with the sum (``sum.tails``).
+    """
+
+    deferred: bool = False
+    own: bool = True
+    on_own: Callable | None = None
+    return_held: bool = False
+    exact_own: bool = False
+    tail: torch.Tensor | None = None
+
+
+#: the plain request: the sum and this rank's own contribution, both materialized
+PLAIN = Want()
 
 
 def decode_own(compressor, x, payload, ctx, deferred: bool):
@@ -87,10 +125,8 @@ class Algorithm:
     name: str = ""
     family: str = ""
     hierarchical: bool = False
-    #: ``__call__`` takes ``deferred=True`` and may then return ``(sum, own)`` as
-    #: :class:`compressors.base.Deferred` results (written by the hook where they go), and
-    #: ``own=False``, when the caller does not use ``own`` (which may then come back None)
-    deferred_results: bool = False
+    #: the aggregate is this rank's chunk of the sum only (a reduce-scatter)
+    shard: bool = False
     #: the aggregate may leave out a coordinate a rank sent (held in a residual of the
     #: algorithm's own, e.g. two_phase's owner re-compression); see the module docstring
     holds_back: bool = False
@@ -99,7 +135,7 @@ class Algorithm:
     #: breaks step-time ties towards fewer (a second lossy stage never makes the sum closer)
     compress_stages: int = 1
 
-    def __call__(self, comm, compressor, x, ctx, store):
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
         raise NotImplementedError
 
     def supports(self, compressor) -> bool:

@@ -17,12 +17,12 @@ reduce-scatter adds ``e`` back into ``S_node[i]``. Summed over all ranks, ``own`
 aggregate and the residuals equal the total compression error (up to rounding: ``x - (x - e)``
 is ``e`` to within an ulp of ``x``).
 
-The communicator must be a :class:`comms.topology.TieredCommunicator` (``.intra`` and
+The communicator must be a :class:`comms.cluster.topology.TieredCommunicator` (``.intra`` and
 ``.inter``); the auto planner supplies one.
 
 Example::
 
-    >>> topo = comms.topology.Topology.discover()
+    >>> topo = comms.cluster.topology.Topology.discover()
     >>> comm = topo.communicator()
     >>> total, own = ALGORITHMS["hier_allreduce"](comm, compressors.from_spec("fp16"), x, ctx, {}).wait()
 """
@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from .base import Algorithm, round_wait
+from .base import Algorithm, PLAIN, Want, round_wait
 
 __all__ = ["Hierarchical", "HIER_PASSES"]
 
@@ -112,7 +112,7 @@ class Hierarchical(Algorithm):
         lo = intra.rank * shard
         return self.inner.flush_residual_(x[lo: min(n, lo + shard)], store, inter, numel=shard)
 
-    def __call__(self, comm, compressor, x, ctx, store):
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
         intra, inter = self._tiers(comm)
         if intra is None or inter is None:
             raise ValueError(f"algorithm {self.name!r} needs a TieredCommunicator (with .intra and "

@@ -11,8 +11,7 @@ import logging
 
 import torch
 
-from ..deadline import advice
-from ..errors import where
+from ..transport.errors import advice, where
 from .base import round_wait
 
 __all__ = ["DTYPE_CODES", "HEADER_BYTES", "check_same_layout"]

@@ -5,7 +5,7 @@ The SwitchML / THC idea, for compressors of the ``"shared_scale"`` family (QSGD:
 
 1. all-gather the per-chunk max-abs of ``x`` (a tiny message) and take the max over ranks —
    max is exact, so every rank holds the same scale ``s`` per chunk (an all_gather instead of
-   a MAX allreduce keeps the :class:`~comms.communicator.Communicator` interface sum-only);
+   a MAX allreduce keeps the :class:`~comms.transport.communicator.Communicator` interface sum-only);
 2. every rank quantizes with that shared scale to integers ``q = floor(x L / s + u)`` in
    ``[-L, L]``, ``u`` uniform from a private (rank-mixed) hash-RNG stream, so ``E[q] = x L / s``
    (unbiased stochastic rounding);
@@ -38,10 +38,9 @@ import torch
 from compressors import cpu_kernels
 from compressors.hashrng import stream_key, uniform_into
 
-from . import buffers
-from . import cuda_kernels as cuda_dispatch
-from ..futures import when_all
-from .base import Algorithm, round_wait
+from . import buffers, cuda_kernels as cuda_dispatch
+from ..transport.futures import when_all
+from .base import Algorithm, PLAIN, Want, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 
 __all__ = ["SharedScale", "shared_scale", "shared_scale_levels", "shared_scale_error_bound",
@@ -271,7 +270,7 @@ class SharedScale(Algorithm):
     name = "shared_scale"
     family = "shared_scale"
 
-    def __call__(self, comm, compressor, x, ctx, store):
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
         return _shared_scale(comm, compressor, x, ctx, store)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):

@@ -49,9 +49,8 @@ import torch
 
 from compressors.deferred import Deferred
 
-from . import cuda_kernels as cuda_dispatch
-from . import buffers
-from .base import Algorithm, hand_over, round_wait
+from . import cuda_kernels as cuda_dispatch, buffers
+from .base import Algorithm, PLAIN, Want, hand_over, round_wait
 from .layout_check import HEADER_BYTES, check_same_layout
 from .wire import from_bytes, layout_of, nbytes_of, to_bytes
 
@@ -348,14 +347,11 @@ class TwoPhase(Algorithm):
     family = "two_phase"
     holds_back = True  # the owner's re-compression of the chunk sum keeps a residual
     compress_stages = 2  # each rank's chunks, then the owner's chunk sum
-    deferred_results = True  # the sum can come back unwritten (an OwnerChunks)
-
-    def __call__(self, comm, compressor, x, ctx, store, deferred=False, own=True, on_own=None,
-                 return_held=False):
-        """``deferred`` (the hook): the sum comes back as an :class:`OwnerChunks`, decoded
-        straight into the bucket; ``on_own``, ``return_held``: see :func:`_two_phase`; ``own``
-        is accepted (the phase-1 decode is needed for the exchange anyway)."""
-        return _two_phase(comm, compressor, x, ctx, store, deferred, on_own, return_held)
+    def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
+        """``want.deferred``: the sum comes back as an :class:`OwnerChunks`, decoded straight
+        where it goes; ``want.on_own``, ``want.return_held``: see :func:`_two_phase` (the
+        phase-1 decode is made whatever ``want.own`` says: the exchange needs it)."""
+        return _two_phase(comm, compressor, x, ctx, store, want.deferred, want.on_own, want.return_held)
 
     def wire_bytes(self, compressor, numel, dtype=torch.float32, world=2):
         m = -(-numel // world)

@@ -47,9 +47,8 @@ import re
 
 import torch
 
-from .pairing import find_ddp, register_model, repair_momentum, \
-    warn_no_state
-from ..checkpoint import settle
+from ..core.checkpoint import settle
+from .pairing import find_ddp, register_model, repair_momentum, warn_no_state
 from .rank_states import RankStates
 
 __all__ = ["register", "find_ddp", "load_state"]

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import settle
+from ..core.checkpoint import settle
 from .pairing import register_model, repair_momentum, warn_no_state
 from .rank_states import RankStates
 

@@ -72,10 +72,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoint import settle
-from ..register import ADAM_FREEZE_DEFAULT, check_optimizer, mark_paired, take_over_momentum
-from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, \
-    warn_no_state
+from ..core.checkpoint import settle
+from ..core.pairing import ADAM_FREEZE_DEFAULT, check_optimizer, mark_paired, take_over_momentum
+from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, warn_no_state
 from .rank_states import RankStates
 
 __all__ = ["CommpressDDPStrategy", "CHECKPOINT_KEY", "SPEC_ENV", "STRATEGY_NAME"]

@@ -5,7 +5,7 @@ moves into the hook, the optimizer's goes to 0). Frameworks build their optimize
 wrap them (``LightningOptimizer``, Fabric's and Accelerate's wrappers) and sometimes build
 several; :func:`register_paired` applies exactly ``register(..., optimizer=opt)`` to every
 layout they produce, or refuses with the reason. :func:`check_options` validates a spec and
-the options before any process starts (it builds a :class:`~comms.state.CompressionState`,
+the options before any process starts (it builds a :class:`~comms.ddp.state.CompressionState`,
 whose constructor validates without communicating).
 
 Example::
@@ -25,12 +25,13 @@ from typing import Any, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoint import settle
-from ..register import check_adam_freeze, register
-from ..state import CompressionState
+from ..core.checkpoint import settle
+from ..core.pairing import check_adam_freeze
+from ..ddp.registration import register
+from ..ddp.state import CompressionState
 
-__all__ = ["REGISTER_OPTIONS", "check_options", "unwrap_optimizer", "register_paired", "SeveralOptimizers",
-           "repair_momentum", "warn_no_state", "MISSING_STATE", "summary",
+__all__ = ["REGISTER_OPTIONS", "check_options", "unwrap_optimizer", "register_paired",
+           "SeveralOptimizers", "repair_momentum", "warn_no_state", "MISSING_STATE", "summary",
            "find_ddp", "register_model"]
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def _register_options() -> tuple[str, ...]:
             names.append(n)
     if var:
         try:
-            from ..options import PipelineOptions
+            from ..core.options import PipelineOptions
         except ImportError:  # an older layout: every option is CompressionState's own
             PipelineOptions = None
         if PipelineOptions is not None:
@@ -78,7 +79,7 @@ def check_options(compressor, options: dict[str, Any]) -> CompressionState:
         options: keyword options of :func:`comms.register` (``algorithm``, ``momentum``, ...).
 
     Returns:
-        A throw-away :class:`~comms.state.CompressionState` built from them (never registered).
+        A throw-away :class:`~comms.ddp.state.CompressionState` built from them (never registered).
 
     Raises:
         TypeError: an unknown option, or an option of the wrong type (naming it).
@@ -129,8 +130,8 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
     (possibly wrapped) optimizers.
 
     One optimizer: exactly :func:`comms.register` with ``optimizer=``. None: ``register``
-    without it. Several: they are paired as one (:class:`SeveralOptimizers`: together they
-    must hold every trainable parameter); the hook applies one momentum to every gradient
+    without it. Several: they are paired as one (:class:`SeveralOptimizers`: every one is
+    marked and watched for a resume); the hook applies one momentum to every gradient
     bucket, so every param group of every optimizer must have the same SGD momentum (taken
     over from all of them, each set to 0) or none; ``momentum=`` given: all must have
     momentum 0. Adam's momentum space pairs with one optimizer only.

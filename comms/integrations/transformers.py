@@ -46,7 +46,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..checkpoint import owner
+from ..core.checkpoint import owner
 from .pairing import check_options, find_ddp, register_model, summary, warn_no_state
 
 __all__ = ["register", "CommpressCallback", "CommpressStatsCallback", "STATE_FILE"]

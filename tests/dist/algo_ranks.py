@@ -1,5 +1,5 @@
 """Rank bodies that call the aggregation algorithms directly (no DDP): used by the gloo
-tests (through ``comms.launch.spawn``) and by the MPI script (under ``mpiexec``).
+tests (through ``comms.cluster.launch.spawn``) and by the MPI script (under ``mpiexec``).
 
 Every check runs on every rank and asserts locally; results are also returned for the
 parent to compare. Inputs of all ranks are generated on every rank, so each rank can build
@@ -12,7 +12,7 @@ import torch
 
 import compressors
 from comms.algorithms import ALGORITHMS
-from comms.communicator import Communicator
+from comms.transport.communicator import Communicator
 
 # every registered compressor's examples() (e.g. qsgd:bits=8/4/2, powersgd:rank=2): a
 # compressor that registers itself is in the matrix without editing this file

@@ -19,7 +19,7 @@ def pinned(spec, replicated: bool = False, **kw) -> dict:
     """``kw`` with an algorithm that compresses every call (on loopback ``auto`` rightly
     times dense as faster): FSDP's scatter-reduce, or the compressor's first flat HSDP
     algorithm; the parameter all-gather stays full precision unless ``kw`` says otherwise."""
-    from comms.fsdp_state import HSDP_ALGORITHMS, SCATTER_REDUCE
+    from comms.fsdp.state import HSDP_ALGORITHMS, SCATTER_REDUCE
 
     if "algorithm" not in kw:
         c = compressors.from_spec(spec) if isinstance(spec, str) else spec
@@ -91,6 +91,28 @@ def fsdp_run(rank, world, spec, n_steps=20, momentum=0.9, **kw):
 
 def identity_vs_plain(rank, world):
     return fsdp_run(rank, world, None), fsdp_run(rank, world, "identity")
+
+
+def identity_defaults_vs_plain(rank, world, n_steps):
+    """``register(model, "identity")`` with every default against plain FSDP2 (1-D mesh), or
+    with a replicate group against torch's native HSDP (2 x world/2 mesh at 4 ranks)."""
+    hsdp = world == 4
+    out = []
+    for plain in (True, False):
+        if hsdp:
+            mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            mesh, rg = (mesh2 if plain else mesh2["shard"]), mesh2.get_group("replicate")
+        else:
+            mesh, rg = init_device_mesh("cpu", (world,)), None
+        torch.manual_seed(0)
+        model = shard_model(make_model(), mesh)
+        if not plain:
+            comms.fsdp.register(model, "identity", replicate_group=rg)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        steps(model, opt, rank, 0, n_steps, losses)
+        out.append({"local": local_shards(model), "losses": losses})
+    return out
 
 
 def compressed_runs(rank, world, specs):

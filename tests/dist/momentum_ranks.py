@@ -85,7 +85,7 @@ def masking_calls(rank: int, world: int, algorithm: str, steps: int = 4,
     "sent". Every ``update_returned_`` goes under "returned", keyed by ``(bucket, n-th call for
     it)``, as ``(x, sent, aggregate, residual, u before, u after)``; "owner_residuals": buckets whose algorithm store holds an
     owner residual at the end."""
-    from comms.local_memory import LocalMemory
+    from comms.core.memory import LocalMemory
 
     calls: dict = {"held": [], "sent": 0, "depth": 0, "returned": {}}
     update_masked, mask_velocity = LocalMemory.update_masked_, LocalMemory.mask_velocity_
@@ -204,10 +204,11 @@ def pairing_errors(rank: int, world: int) -> dict:
     model = DDP(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
     foreign = torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1, momentum=0.9)
     part = torch.optim.SGD(model.module[0].parameters(), lr=0.1, momentum=0.9)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    adamw = torch.optim.AdamW(model.parameters())
     expect("foreign", lambda: comms.register(model, "topk:density=0.1", optimizer=foreign))
     expect("part", lambda: comms.register(model, "topk:density=0.1", optimizer=part))
+    model = DDP(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))  # a fresh one: hooked above
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adamw = torch.optim.AdamW(model.parameters())
     expect("sgd", lambda: comms.register(model, "topk:density=0.1", optimizer=sgd, adam_freeze=10))
     expect("qsgd", lambda: comms.register(model, "qsgd:bits=4", optimizer=adamw, adam_freeze="auto"))
     expect("none", lambda: comms.register(model, "sign", adam_freeze="auto"))

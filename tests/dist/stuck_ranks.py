@@ -236,10 +236,10 @@ def _spy(pid):
 
 
 def _context():
-    """Ranks fork from :func:`comms.launch.rank_context`'s forkserver (torch imported once)
+    """Ranks fork from :func:`comms.cluster.launch.rank_context`'s forkserver (torch imported once)
     instead of importing torch three times per case on a 2-core machine (set-up is not
     measured, but it was most of a case's wall time)."""
-    from comms.launch import rank_context
+    from comms.cluster.launch import rank_context
 
     return rank_context()
 
@@ -251,7 +251,7 @@ def run_one(case: Case, how: str, *, pg_timeout: float = 5.0, slack: float = 10.
 
     Before the victim stops, the ranks have ``setup_timeout`` s (spawn, imports, DDP, the
     first steps); after it, every survivor has ``pg_timeout + slack`` s to raise."""
-    from comms.launch import free_port
+    from comms.cluster.launch import free_port
 
     world = case.world
     ctx = _context()

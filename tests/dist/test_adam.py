@@ -5,7 +5,7 @@ taken before or after the variance froze resumes bit-exactly."""
 import pytest
 import torch
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist import adam_ranks as A
 
 pytestmark = [pytest.mark.dist]

@@ -8,7 +8,7 @@ import torch
 
 import compressors
 from comms.algorithms.shared_scale import shared_scale_levels
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from compressors.powersgd import PowerSGD
 from compressors.powersgd_layers import matrix_shape
 from dist import algo_ranks

@@ -6,8 +6,8 @@ import torch
 
 import compressors
 from comms.algorithms import allgather
-from comms.communicator import TorchCommunicator
-from comms.launch import spawn
+from comms.transport.communicator import TorchCommunicator
+from comms.cluster.launch import spawn
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""The measured ``auto`` policy (comms.autotune): same plan on every rank, replicas bitwise
+"""The measured ``auto`` policy (comms.tuning.autotune): same plan on every rank, replicas bitwise
 equal through the trial phase, the fastest plan wins (dense on ties), resume keeps the
 locked plan, and a bucket that switches to dense drains its residuals over a few dense steps
 (sum conservation, no burst).
@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comms
 from comms.algorithms import get_algorithm
-from comms.autotune import Autotuner, choose_rule
-from comms.launch import spawn
+from comms.tuning.autotune import Autotuner, choose_rule
+from comms.cluster.launch import spawn
 from dist.ranks import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.dist]
@@ -186,7 +186,7 @@ LOCK = 9  # the first step of the locked dense plan in _conservation
 
 
 def _conservation(rank, world, alg):
-    from comms.hook import RESIDUAL_DRAIN_STEPS
+    from comms.core.engine import DRAIN_STEPS as RESIDUAL_DRAIN_STEPS
 
     fake = {"dense": 1.0, alg: 2.0}  # the compressed trial is slower: dense gets locked
     model, state, _ = _ddp("topk:density=0.05", steps_per_trial=2, candidates=[alg],

@@ -5,7 +5,7 @@ the module reduce-scatter matches closed forms, resume is bitwise, bad input cha
 import pytest
 import torch
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist import fsdp_ranks as F
 
 pytestmark = [pytest.mark.dist]
@@ -18,6 +18,16 @@ def test_identity_is_bitwise_plain_fsdp2_after_20_steps():
         assert torch.equal(plain["local"], ident["local"])
         assert plain["losses"] == ident["losses"]
     assert torch.equal(res[0][0]["full"], res[1][0]["full"])  # full_tensor agrees across ranks
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [3, 4], ids=["fsdp-3-ranks", "hsdp-2x2"])
+def test_identity_with_defaults_is_bitwise_plain_fsdp2_and_native_hsdp_after_100_steps(world):
+    # 3 ranks: a sum of three is not commutative in floating point, so only the same
+    # collective in the same order gives the same bits; 4 ranks: HSDP 2 replicas x 2 shards
+    for plain, ident in spawn(F.identity_defaults_vs_plain, world, 100, timeout=360):
+        assert torch.equal(plain["local"], ident["local"])
+        assert plain["losses"] == ident["losses"]
 
 
 def test_compressed_runs_deterministic_with_stated_residual_memory():
@@ -89,7 +99,7 @@ def test_bad_input_raises_before_anything_changes():
     assert e["groups"] == 2
     assert e["multi_group"].startswith("ValueError") and "2 parameter groups" in e["multi_group"]
     assert e["twice"].startswith("ValueError") and "already" in e["twice"]
-    assert e["foreign_optimizer"].startswith("ValueError") and "does not hold the model's parameter" \
+    assert e["foreign_optimizer"].startswith("ValueError") and "holds none of the model's" \
         in e["foreign_optimizer"] and e["foreign_momentum"] == 0.9
     assert "adam_freeze=20 does not apply" in e["adam_freeze_sgd"] and "SGD" in e["adam_freeze_sgd"]
     assert e["sgd_momentum"] == 0.9

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist import fsdp_option_ranks as R
 
 pytestmark = [pytest.mark.dist]

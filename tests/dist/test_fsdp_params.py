@@ -7,10 +7,9 @@ import functools
 import pytest
 import torch
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from compressors.blockquant import BlockQuantizer
-from dist import fsdp_param_ranks as P
-from dist import fsdp_ranks as F
+from dist import fsdp_param_ranks as P, fsdp_ranks as F
 
 pytestmark = [pytest.mark.dist]
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comms
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist.ranks import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.dist]
@@ -39,7 +39,7 @@ def _nan_run(rank, spec, alg, extra=None):
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     first = model.module[0].weight
     log = _Count()
-    logging.getLogger("comms.hook").addHandler(log)
+    logging.getLogger("comms.ddp.hook").addHandler(log)
     steps = []
     for step in range(8):
         x, y = batch(rank, step)
@@ -59,7 +59,7 @@ def _nan_run(rank, spec, alg, extra=None):
         keys = None if state is None else sorted(state.memory.residuals)
         steps.append({"finite": finite, "skipped": torch.equal(before, flat_params(model.module)),
                       "scale_dropped": scaler.get_scale() < scale, "residuals": keys})
-    logging.getLogger("comms.hook").removeHandler(log)
+    logging.getLogger("comms.ddp.hook").removeHandler(log)
     comms.check_replicas(model)
     return {"steps": steps, "params": flat_params(model.module),
             "warnings": [m for m in log.messages if "non-finite" in m],

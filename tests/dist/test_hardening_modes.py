@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comms
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist.ranks import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.dist]

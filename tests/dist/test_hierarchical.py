@@ -7,8 +7,8 @@ import torch
 
 import compressors
 from comms.algorithms import get_algorithm
-from comms.launch import spawn
-from comms.topology import Topology
+from comms.cluster.launch import spawn
+from comms.cluster.topology import Topology
 
 pytestmark = [pytest.mark.dist]
 
@@ -110,7 +110,7 @@ def _ddp(rank, world, names, spec, mode):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import comms
-    from comms.cost_model import ComputeCost, CostModel, TierCost
+    from comms.tuning.cost_model import ComputeCost, CostModel, TierCost
 
     os.environ["COMMPRESS_NODE"] = names[rank]
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import compressors
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist.ranks import train
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist import momentum_ranks
 
 pytestmark = [pytest.mark.dist]
@@ -178,11 +178,11 @@ def test_the_near_dense_warm_up_steps_go_dense(world):
 def test_register_refuses_a_foreign_optimizer_and_an_inapplicable_adam_freeze():
     r = spawn(momentum_ranks.pairing_errors, 1, timeout=120)[0]
     e = r["errs"]
-    assert e["foreign"].startswith("ValueError") and "does not hold the model's parameter '0.weight'" in e["foreign"]
-    assert "'0.weight'" not in e["part"] and "does not hold the model's parameter '2.weight'" in e["part"]
+    assert e["foreign"].startswith("ValueError") and "holds none of the model's 4 trainable" in e["foreign"]
+    assert e["part"] is None  # several optimizers may share a model (register_paired pairs them all)
     assert "adam_freeze=10 does not apply" in e["sgd"] and "SGD" in e["sgd"]
     assert "adam_freeze='auto' does not apply" in e["qsgd"] and "gradient path" in e["qsgd"]
     assert "no optimizer" in e["none"]
     assert e["explicit_off"] is None and r["hooked"]  # None (the gradient path) always applies
-    assert r["momenta"][:2] == [0.9, 0.9]  # refused: nothing taken
+    assert r["momenta"][0] == 0.9  # refused: nothing taken
     assert r["momenta"][2] == 0.0  # the registration that succeeded took it over

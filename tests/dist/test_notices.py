@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from comms.launch import free_port
+from comms.cluster.launch import free_port
 
 pytestmark = [pytest.mark.dist]
 

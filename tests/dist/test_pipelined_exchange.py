@@ -1,4 +1,4 @@
-"""The pipelined point-to-point exchange (comms/pipelined_exchange.py) behind gloo's large
+"""The pipelined point-to-point exchange (comms/transport/pipelined_exchange.py) behind gloo's large
 allgather / all_to_all: the same bytes as gloo's own collectives, in issue order, with many
 exchanges in flight, and an error (not a hang) when a peer is gone."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comms import pipelined_exchange as px
-from comms.communicator import TorchCommunicator
-from comms.launch import spawn
+from comms.transport import pipelined_exchange as px
+from comms.transport.communicator import TorchCommunicator
+from comms.cluster.launch import spawn
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 

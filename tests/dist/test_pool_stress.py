@@ -8,7 +8,7 @@ parameters must be bitwise equal (and equal on every rank)."""
 import pytest
 import torch
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comms.algorithms import ALGORITHMS
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist.ranks import train
 
 pytestmark = [pytest.mark.dist]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import comms
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist import replica_ranks
 
 pytestmark = [pytest.mark.dist]

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from dist import algo_ranks, replica_ranks
 
 pytestmark = [pytest.mark.dist]

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 import compressors
-from comms.algorithms.shared_scale import (_STREAM_SALT, decode_reference, quantize_reference,
-                                           shared_scale_levels)
+from comms.algorithms.shared_scale import (_STREAM_SALT, decode_reference, quantize_reference, shared_scale_levels)
 from comms.algorithms.wire import from_bytes, layout_of, to_bytes
 from compressors import bitpack
 from compressors.cuda import dispatch, kernels

@@ -5,7 +5,7 @@ size 1 sends nothing and launches nothing."""
 import pytest
 import torch
 
-from comms.launch import spawn
+from comms.cluster.launch import spawn
 from ranks_gpu import gloo_ranks_on_one_gpu, nccl_world1
 
 pytestmark = [pytest.mark.timeout(300)]

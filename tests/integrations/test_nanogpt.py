@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comms.launch import free_port
+from comms.cluster.launch import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from comms.mpi import MPICommunicator  # noqa: E402
+from comms.cluster.mpi import MPICommunicator  # noqa: E402
 from dist import algo_ranks  # noqa: E402
 
 

@@ -1,10 +1,10 @@
-"""The optimizer side of Adam's momentum space (comms.adam): which compressors go there, the
+"""The optimizer side of Adam's momentum space (comms.core.adam): which compressors go there, the
 layouts it refuses, and the frozen-variance update against its closed form."""
 
 import pytest
 import torch
 
-from comms.adam import FrozenVarianceAdam, momentum_space
+from comms.core.adam import FrozenVarianceAdam, momentum_space
 from compressors import from_spec
 
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import compressors
-from comms.autotune import MODEL
+from comms.tuning.autotune import MODEL
 from comms.algorithms import get_algorithm
 from comms.algorithms.allreduce import payload_dtype
-from comms.communicator import LocalCommunicator
-from comms.cost_model import HOOK_PASSES, ComputeCost, CostModel, TierCost
-from comms.planner import Planner
-from comms.probe import shaped_sample
+from comms.transport.communicator import LocalCommunicator
+from comms.tuning.cost_model import HOOK_PASSES, ComputeCost, CostModel, TierCost
+from comms.tuning.planner import Planner
+from comms.tuning.probe import refine, shaped_sample
 
 
 def test_wire_dtype_bandwidth_is_charged():
@@ -53,7 +53,7 @@ def test_local_passes_charged_to_compressed_candidates():
 def test_refine_on_one_rank_times_compute_at_bucket_size():
     comp = compressors.from_spec("qsgd:bits=8")
     m = CostModel({"flat": TierCost("flat", 1, 0.0, 1e9)})
-    r = m.refine(LocalCommunicator(), comp, [(1 << 18, torch.float32)], ["allgather"], compute_numel=1 << 18)
+    r = refine(m, LocalCommunicator(), comp, [(1 << 18, torch.float32)], ["allgather"], compute_numel=1 << 18)
     # timings: assert what noise cannot flip (a two-point fit's slope can come out 0 when a
     # busy core stalls the small size); the predicted time at the bucket size is positive
     cc = r.compute[comp.spec()]
@@ -72,7 +72,7 @@ def test_shaped_sample_takes_whole_leading_tensors():
 def test_refine_times_a_shape_bound_compressor_on_the_bucket_tensors(monkeypatch):
     # PowerSGD factorizes each weight matrix: with the bucket's shapes it is timed on its
     # leading tensors (passed in ctx.shapes) and costed per element of that sample, no fixed part
-    import comms.probe as probe_mod
+    import comms.tuning.probe as probe_mod
 
     psgd, qsgd = compressors.from_spec("powersgd:rank=1"), compressors.from_spec("qsgd:bits=8")
     timed, real = [], probe_mod._time_compute
@@ -86,23 +86,23 @@ def test_refine_times_a_shape_bound_compressor_on_the_bucket_tensors(monkeypatch
     monkeypatch.setattr(probe_mod, "_time_compute", fake)
     m = CostModel({"flat": TierCost("flat", 1, 0.0, 1e9)})
     shapes = ((64,), (64, 64), (64, 32))
-    r = m.refine(LocalCommunicator(), psgd, [(64 + 64 * 64 + 64 * 32, torch.float32)], ["allreduce"],
+    r = refine(m, LocalCommunicator(), psgd, [(64 + 64 * 64 + 64 * 32, torch.float32)], ["allreduce"],
                  compute_numel=1000, shapes=shapes)
     assert timed == [(psgd.spec(), ((64,), (64, 64)))]
     assert r.compute[psgd.spec()] == ComputeCost(0.0, 0.5 / (64 + 64 * 64), 0.0, 0.0)
     # elementwise compressors (and PowerSGD without shapes) keep the flat two-size fit
-    m.refine(LocalCommunicator(), qsgd, [(1 << 16, torch.float32)], ["allgather"], compute_numel=1 << 16,
+    refine(m, LocalCommunicator(), qsgd, [(1 << 16, torch.float32)], ["allgather"], compute_numel=1 << 16,
              shapes=((256, 256),))
-    m.refine(LocalCommunicator(), psgd, [(1 << 16, torch.float32)], ["allreduce"], compute_numel=1 << 16)
+    refine(m, LocalCommunicator(), psgd, [(1 << 16, torch.float32)], ["allreduce"], compute_numel=1 << 16)
     assert len(timed) == 1
 
 
 def test_planner_refines_with_the_largest_buckets_shapes(monkeypatch):
     got = []
 
-    def refine(self, comm, compressor, buckets, algorithms, **kw):
+    def fake_refine(model, comm, compressor, buckets, algorithms, **kw):
         got.append((buckets, kw.get("shapes")))
-        return self
+        return model
 
     class Bucket:
         def __init__(self, *shapes):
@@ -111,7 +111,7 @@ def test_planner_refines_with_the_largest_buckets_shapes(monkeypatch):
         def parameters(self):
             return self.params
 
-    monkeypatch.setattr(CostModel, "refine", refine)
+    monkeypatch.setattr("comms.tuning.planner.refine", fake_refine)
     comp = compressors.from_spec("powersgd:rank=1")
     p = Planner(comp, cost_model=CostModel({"flat": TierCost("flat", 2, 1e-3, 1e9)}), autotune=False)
     p.ready, p.comm, p._own_model = True, LocalCommunicator(), True

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from comms import autotune_rules
-from comms.autotune import Autotuner
+from comms.tuning import autotune_rules
+from comms.tuning.autotune import Autotuner
 
 
 def drive(tuner, times, steps, start=0, agreed=None):
@@ -394,7 +394,7 @@ def test_state_dict_round_trip_and_options():
 def test_plan_reports_model_error_per_tried_rule():
     import torch
 
-    from comms.planner import Plan, PlanRow
+    from comms.tuning.planner import Plan, PlanRow
 
     t = Autotuner()
     t.load_state_dict({"locked": True, "rule": "allgather",
@@ -412,7 +412,7 @@ def test_plan_reports_model_error_per_tried_rule():
 def test_garbage_timings_raise_a_named_error_before_any_rule_sees_them():
     """After a peer dies gloo may hand the timing MAX-allgather back with garbage; the rules'
     ``statistics`` then overflowed ("integer division result too large for a float")."""
-    from comms.autotune import MAX_STEP_SECONDS, MIN_STEP_SECONDS, check_step_seconds
+    from comms.tuning.autotune import MAX_STEP_SECONDS, MIN_STEP_SECONDS, check_step_seconds
 
     ok = [0.5, math.nan, MIN_STEP_SECONDS, 1e-4, MAX_STEP_SECONDS * 0.999]
     assert check_step_seconds(ok, "commpress: t") is ok
@@ -427,7 +427,7 @@ def test_garbage_timings_raise_a_named_error_before_any_rule_sees_them():
 def test_planner_agreement_checks_what_the_collective_returned():
     import torch
 
-    from comms.planner import Planner
+    from comms.tuning.planner import Planner
 
     class GarbageComm:  # an allgather that "completes" with what a dead peer's pair left
         rank, world_size, timeout, backend = 0, 2, 5.0, "gloo"

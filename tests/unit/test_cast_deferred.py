@@ -6,6 +6,7 @@ thread count, non-finite and boundary input, with the kernels and without them."
 import pytest
 import torch
 
+from comms.algorithms.base import Want
 from comms.algorithms import ALGORITHMS
 from compressors import Context, cpu_kernels, from_spec
 from compressors.deferred import Deferred
@@ -92,7 +93,7 @@ def test_allreduce_deferred_equals_decoded(spec, wire, kernels, monkeypatch):
     comm = OtherRankComm(other)
     total, own = ALGORITHMS["allreduce"](comm, comp, x.clone(), ctx, {}).wait()
     xd = x.clone()
-    dtotal, down = ALGORITHMS["allreduce"](comm, comp, xd, ctx, {}, deferred=True).wait()
+    dtotal, down = ALGORITHMS["allreduce"](comm, comp, xd, ctx, {}, Want(deferred=True)).wait()
     assert comm.calls == [(n, wire)] * 2  # the payload is the wire: no copy, no extra round
     assert isinstance(down, CastOwn) and isinstance(dtotal, CastSum)
     assert same_bits(down.materialize(), own) and same_bits(dtotal.materialize(), total)
@@ -115,7 +116,7 @@ def test_deferred_only_for_fp32_buckets():
         ctx = Context(numel=1000, dtype=dtype)
         assert comp.deferred_own(x, comp.compress(x, ctx), ctx) is None
         comm = OtherRankComm(torch.ones(1000))
-        total, own = ALGORITHMS["allreduce"](comm, comp, x.clone(), ctx, {}, deferred=True).wait()
+        total, own = ALGORITHMS["allreduce"](comm, comp, x.clone(), ctx, {}, Want(deferred=True)).wait()
         assert not isinstance(total, Deferred) and not isinstance(own, Deferred)
         assert torch.equal(own, x.to(torch.float16).to(dtype))
 

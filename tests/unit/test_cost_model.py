@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import compressors
-from comms.buckets import ddp_has_bucket_cap_mb_list, suggest_bucket_cap_mb, suggest_bucket_cap_mb_list
-from comms.communicator import LocalCommunicator
-from comms.cost_model import ComputeCost, CostModel, TierCost
-from comms.planner import Planner
-from comms.topology import Topology
+from comms.tuning.bucket_sizes import (ddp_has_bucket_cap_mb_list, suggest_bucket_cap_mb, suggest_bucket_cap_mb_list)
+from comms.transport.communicator import LocalCommunicator
+from comms.tuning.cost_model import ComputeCost, CostModel, TierCost
+from comms.tuning.probe import probe
+from comms.tuning.planner import Planner
+from comms.cluster.topology import Topology
 
 MB = 1 << 20
 
@@ -104,13 +105,13 @@ def test_planner_same_numbers_same_plan_and_margin():
 
 def test_probe_on_one_rank_measures_compute():
     comp = compressors.from_spec("topk:density=0.01")
-    m = CostModel.probe(LocalCommunicator(), [comp], sizes=(1024, 65536), reps=1,
+    m = probe(LocalCommunicator(), [comp], sizes=(1024, 65536), reps=1,
                         sample_numels=(1 << 10, 1 << 16))
     cc = m.compute[comp.spec()]
     assert cc.compress_per_element > 0 and math.isfinite(cc.compress_fixed)
     assert m.tiers["flat"].world == 1 and m.dense(10 ** 6) == 0.0
     with pytest.raises(ValueError, match="sizes"):
-        CostModel.probe(LocalCommunicator(), [], sizes=(10, 5))
+        probe(LocalCommunicator(), [], sizes=(10, 5))
 
 
 def test_suggest_bucket_cap():

@@ -220,8 +220,7 @@ def test_sign_scale_selfcheck_agrees_with_torch():
 def test_shared_scale_kernel_equals_reference(world, bits, threads, monkeypatch):
     """comms/algorithms/shared_scale.py: the compiled quantize/decode give the bits of the
     torch reference, with NaN, inf, zeros, tiny shared scales and a short last chunk."""
-    from comms.algorithms.shared_scale import (decode_cpu, decode_reference, quantize_cpu,
-                                               quantize_reference, shared_scale_levels)
+    from comms.algorithms.shared_scale import (decode_cpu, decode_reference, quantize_cpu, quantize_reference, shared_scale_levels)
 
     if cpu_kernels.lib() is None:
         pytest.skip(f"no compiled codec: {cpu_kernels.build_error()}")
@@ -273,7 +272,7 @@ def test_momentum_pass_equals_torch_steps(world, momentum, threads, fallback, mo
     """``x / world``, ``u <- m u + x`` and ``x <- u (+ r)`` in one compiled pass: the bits of
     ``x.div_(world)`` then the torch momentum (and residual) steps, incl. -0, denormals, inf
     and NaN, over several steps of both entry points."""
-    from comms.local_memory import LocalMemory
+    from comms.core.memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(world * 10 + threads)
@@ -310,7 +309,7 @@ def test_div_residual_pass_equals_torch_steps(world, threads, fallback, monkeypa
     """``x <- x / world + r`` in one compiled pass: the bits of ``x.div_(world)`` then
     ``add_residual_``, incl. -0, denormals, inf and NaN, over three steps (the first has no
     residual yet)."""
-    from comms.local_memory import LocalMemory
+    from comms.core.memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(world + 10 * threads)
@@ -341,7 +340,7 @@ def test_ef_update_with_masking_equals_torch_steps(threads, with_velocity, fallb
     """``r <- x - own`` and momentum factor masking (``u[own != 0] = 0``) in one compiled pass:
     the bits of ``update_`` then ``mask_velocity_`` (the torch steps), incl. -0 in ``own``
     (not sent: its velocity stays), NaN and inf, over three steps."""
-    from comms.local_memory import LocalMemory
+    from comms.core.memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(threads)
@@ -376,7 +375,7 @@ def test_ef_update_held_equals_torch_steps(threads, fallback, monkeypatch):
     compiled pass: the bits of ``update_`` then ``mask_velocity_`` given ``agg`` (the torch
     steps), incl. -0 in ``own`` and ``agg``, NaN and inf, over three steps; the first step (no
     residual yet) takes the torch steps."""
-    from comms.local_memory import LocalMemory
+    from comms.core.memory import LocalMemory
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(10 + threads)
@@ -409,7 +408,7 @@ def test_hook_flag_from_the_pass_max():
     does a finite bucket whose sum could leave fp32's range; ordinary values do not."""
     import struct
 
-    from comms.pipeline import _nonfinite_or_overflows as flag
+    from comms.core.stages import _nonfinite_or_overflows as flag
 
     bits = lambda v: struct.unpack("<I", struct.pack("<f", v))[0]  # noqa: E731
     assert flag(0x7F800000, 10) and flag(0x7FC00000, 10)  # inf, NaN

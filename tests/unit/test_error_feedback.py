@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from comms.local_memory import LocalMemory
+from comms.core.memory import LocalMemory
 from compressors import (BF16, FP16, QSGD, Context, ErrorFeedback, Identity, RandomK,
                          ScaledSign, TopK)
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from comms.communicator import LocalCommunicator
-from comms.fsdp_tuner import COMPRESSED, ModuleTuner
+from comms.transport.communicator import LocalCommunicator
+from comms.tuning.module_tuner import COMPRESSED, ModuleTuner
 
 
 def _tuned(prefer_dense: float, dense_s: float, comp_s: float) -> str:

@@ -1,9 +1,9 @@
-"""comms.futures: the futures DDP waits on (CPU side; the CUDA side is tests/gpu)."""
+"""comms.transport.futures: the futures DDP waits on (CPU side; the CUDA side is tests/gpu)."""
 
 import pytest
 import torch
 
-from comms.futures import device_future, stream_mark, wait_mark, when_all
+from comms.transport.futures import device_future, stream_mark, wait_mark, when_all
 
 
 def test_device_future_of_a_cpu_value_is_a_plain_future():

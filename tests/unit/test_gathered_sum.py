@@ -5,6 +5,7 @@ compressor of the gather family, with -0, inf and NaN in the input."""
 import pytest
 import torch
 
+from comms.algorithms.base import Want
 from comms.algorithms import ALGORITHMS
 from comms.algorithms.allgather import GatheredSum
 from compressors import Context, from_spec
@@ -48,7 +49,7 @@ def test_gathered_sum_into_bucket_equals_the_copy(spec, dtype):
     ctx = Context(numel=n, dtype=dtype, step=3, bucket=1, seed=2)
     comm = TwoRankGather(lambda t: payload_bytes(comp, y, ctx.with_(rank=1)))
     total, own = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}).wait()
-    dtotal, down = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}, deferred=True).wait()
+    dtotal, down = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}, Want(deferred=True)).wait()
     assert isinstance(dtotal, GatheredSum) and not isinstance(total, GatheredSum)
     assert torch.equal(materialized(down), own)
     out = torch.full((n,), 7.0, dtype=dtype)
@@ -67,7 +68,7 @@ def test_gathered_sum_non_finite():
     ctx = Context(numel=n, step=1)
     comm = TwoRankGather(lambda t: t.clone())
     total, _ = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}).wait()
-    dtotal, _ = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}, deferred=True).wait()
+    dtotal, _ = ALGORITHMS["allgather"](comm, comp, x.clone(), ctx, {}, Want(deferred=True)).wait()
     out = torch.empty(n)
     dtotal.into_(out)
     nan = torch.isnan(total)
@@ -98,7 +99,7 @@ def test_sparse_own_residual_equals_x_minus_decode(spec, alg, dtype):
         comm = OtherRankComm(torch.randn(comp.k_for(n), generator=g).to(dtype))
     _, own = ALGORITHMS[alg](comm, comp, x.clone(), ctx, {}).wait()
     xd = x.clone()
-    _, down = ALGORITHMS[alg](comm, comp, xd, ctx, {}, deferred=True).wait()
+    _, down = ALGORITHMS[alg](comm, comp, xd, ctx, {}, Want(deferred=True)).wait()
     assert isinstance(down, SparseOwn)
     bits = torch.int32 if dtype == torch.float32 else torch.int64
     r = torch.full((n,), 7.0, dtype=dtype)
@@ -148,7 +149,7 @@ def test_own_not_wanted_is_not_decoded(spec, alg, decodes, monkeypatch):
     calls = []
     real = type(comp).decompress_into
     monkeypatch.setattr(type(comp), "decompress_into", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    dtotal, down = ALGORITHMS[alg](comm, comp, x.clone(), ctx, {}, deferred=True, own=False).wait()
+    dtotal, down = ALGORITHMS[alg](comm, comp, x.clone(), ctx, {}, Want(deferred=True, own=False)).wait()
     assert down is None and len(calls) == decodes
     got = dtotal.into_(torch.full((n,), 7.0)) if isinstance(dtotal, Deferred) else dtotal
     assert torch.equal(got.view(torch.int32), total.view(torch.int32))
@@ -202,7 +203,7 @@ def test_on_own_runs_while_the_round_is_on_the_wire(spec, alg):
         got.append(materialized(o).clone())
         return o.residual_(xd, r) if isinstance(o, Deferred) else torch.sub(xd, o, out=r)
 
-    fut = ALGORITHMS[alg](comm, comp, xd, ctx, {}, deferred=True, on_own=on_own)
+    fut = ALGORITHMS[alg](comm, comp, xd, ctx, {}, Want(deferred=True, on_own=on_own))
     assert len(got) == 1 and not fut.done()  # handed over while the round is pending
     comm.complete()
     dtotal, down = fut.wait()
@@ -245,15 +246,14 @@ def test_two_phase_owner_chunks_into_bucket(spec, n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(9)) * 2
     ctx = Context(numel=n, step=6, bucket=3)
     total, own = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}).wait()
-    dtotal, down = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}, deferred=True).wait()
+    dtotal, down = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}, Want(deferred=True)).wait()
     assert isinstance(dtotal, OwnerChunks) and torch.equal(down, own)
     out = torch.full((n,), 7.0)
     assert dtotal.into_(out) is out
     assert torch.equal(out.view(torch.int32), total.view(torch.int32))
     assert torch.equal(dtotal.materialize().view(torch.int32), total.view(torch.int32))
     got = []
-    _, none = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}, deferred=True,
-                                      on_own=lambda o: got.append(o.clone())).wait()
+    _, none = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, {}, Want(deferred=True, on_own=lambda o: got.append(o.clone()))).wait()
     assert none is None and torch.equal(got[0], own)
 
 
@@ -272,15 +272,13 @@ def test_two_phase_return_held_keeps_no_owner_residual():
     assert _RESIDUAL in store  # the owner's residual (top-k is biased)
     kept = store[_RESIDUAL].clone()
     bare: dict = {}
-    t2, o2 = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, bare,
-                                     return_held=True).wait()
+    t2, o2 = ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, x.clone(), ctx, bare, Want(return_held=True)).wait()
     assert bare == {} and torch.equal(t2, total) and torch.equal(o2, own)
     # a residual from before: added into chunk 0 (this rank's) of x, then dropped from the store
     y = x.clone()
-    ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, y, ctx, store, return_held=True).wait()
+    ALGORITHMS["two_phase"](SameDataTwoRanks(), comp, y, ctx, store, Want(return_held=True)).wait()
     assert _RESIDUAL not in store
     m = -(-n // 2)
     assert torch.equal(y[:m], x[:m] + kept) and torch.equal(y[m:], x[m:])
     with pytest.raises(ValueError, match="sign"):
-        ALGORITHMS["two_phase"](SameDataTwoRanks(), from_spec("sign"), x.clone(), ctx, {},
-                                return_held=True)
+        ALGORITHMS["two_phase"](SameDataTwoRanks(), from_spec("sign"), x.clone(), ctx, {}, Want(return_held=True))

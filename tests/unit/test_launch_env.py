@@ -1,9 +1,8 @@
-"""Launcher environment parsing (comms.launch_env): no process group, fake environments."""
+"""Launcher environment parsing (comms.cluster.launch_env): no process group, fake environments."""
 
 import pytest
 
-from comms.launch_env import (LAUNCHERS, MPI_LAUNCHERS, LaunchInfo, launch_info, mpi_launched,
-                              parse_slurm_tasks_per_node)
+from comms.cluster.launch_env import (LAUNCHERS, MPI_LAUNCHERS, LaunchInfo, launch_info, mpi_launched, parse_slurm_tasks_per_node)
 
 
 def test_torchrun():

@@ -9,7 +9,7 @@ import torch
 
 import comms
 from comms import CompressionState
-from comms.local_memory import LocalMemory
+from comms.core.memory import LocalMemory
 
 
 @pytest.mark.parametrize("kw, exc", [
@@ -100,8 +100,13 @@ def test_checkpoint_with_a_bool_masking_loads_as_its_mode():
 def test_which_warm_up_steps_go_dense():
     # a variant above 15% density, or one whose bytes exceed half a dense step's, goes dense
     from comms.algorithms import get_algorithm
-    from comms.hook import WARM_DENSE_DENSITY, _warm_step_goes_dense
+    from comms.algorithms.dense import dense_allreduce
+    from comms.core.stages import WARM_DENSE_DENSITY, warm_step_goes_dense
     from compressors import TopK
+
+    def _warm_step_goes_dense(alg, c, x, world):  # the engine's rule on a DDP bucket
+        n, dt = x.numel(), x.dtype
+        return warm_step_goes_dense(c, alg.wire_bytes(c, n, dt, world), dense_allreduce.wire_bytes(None, n, dt, world))
 
     x = torch.zeros(10_000)
     ag, tp = get_algorithm("allgather"), get_algorithm("two_phase")
@@ -220,8 +225,8 @@ def _build(**kw):
 
 
 def test_a_restored_optimizer_keeps_the_take_over_and_reports_a_state_not_loaded(caplog):
-    from comms.checkpoint import settle
-    from comms.register import PAIRED_KEY, give_back_momentum, pair_optimizer
+    from comms.core.checkpoint import settle
+    from comms.core.pairing import PAIRED_KEY, give_back_momentum, pair_optimizer
 
     opt = _sgd(momentum=0.9)
     state, taken = pair_optimizer(opt, _build, {})
@@ -281,7 +286,7 @@ def test_a_state_saved_by_another_rank_is_refused():
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "later"])
 def test_adam_freeze_is_checked_up_front(bad):
     from comms.integrations.pairing import check_options
-    from comms.register import check_adam_freeze
+    from comms.core.pairing import check_adam_freeze
 
     with pytest.raises(ValueError, match=f"adam_freeze must be .*got {bad!r}"):
         check_adam_freeze(bad)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import compressors
+from comms.algorithms.base import Want
 from comms.algorithms import ALGORITHMS
 from compressors import Context
 from compressors.powersgd import PowerSGD
@@ -182,7 +183,7 @@ def test_powersgd_deferred_decode(rank, kernels, monkeypatch):
     c = PowerSGD(rank=rank)
     ctx = Context(numel=n, shapes=shapes, step=2, bucket=1, seed=3)
     total, own = ALGORITHMS["allreduce"](LocalComm(), c, x.clone(), ctx, {}).wait()
-    dtotal, down = ALGORITHMS["allreduce"](LocalComm(), c, x.clone(), ctx, {}, deferred=True).wait()
+    dtotal, down = ALGORITHMS["allreduce"](LocalComm(), c, x.clone(), ctx, {}, Want(deferred=True)).wait()
     assert isinstance(dtotal, Deferred) and isinstance(down, Deferred)
     bits = lambda t: t.view(torch.int32)  # noqa: E731
     r = torch.full((n,), 7.0)

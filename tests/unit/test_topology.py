@@ -2,7 +2,7 @@
 
 import pytest
 
-from comms.topology import Topology, _decode_names, _encode_name
+from comms.cluster.topology import Topology, _decode_names, _encode_name
 
 
 def test_nodes_ordered_by_global_rank_round_robin():

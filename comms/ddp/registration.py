@@ -1,0 +1,116 @@
+"""The DDP entry points: ``make_hook`` (a state and the hook function) and ``register`` (the
+hook on a DDP model, paired with its optimizer: :mod:`comms.core.pairing`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_adam_freeze, check_pairing,
+                            give_back_momentum, pair_optimizer, replica_guard)
+from .hook import compression_hook
+from .state import CompressionState
+
+__all__ = ["make_hook", "register"]
+
+
+logger = logging.getLogger(__name__)
+
+
+def make_hook(compressor, *, process_group=None, error_feedback: bool | None = None, start_iter: int = 2,
+              **kwargs):
+    """Build ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Args:
+        compressor: a :class:`compressors.Compressor` or a spec string such as
+            ``"topk:density=0.01"``, ``"qsgd:bits=4"``, ``"sign"``.
+        process_group: the group to average over; ``None`` is WORLD. Any subgroup works.
+        error_feedback: keep residuals per bucket; ``None``: on for biased compressors only.
+        start_iter: iterations of plain allreduce first.
+        **kwargs: forwarded to :class:`~comms.ddp.state.CompressionState` (``algorithm``: default ``"auto"``, the per-bucket cost-model planner;
+            ``seed``, ``communicator``, ``min_compress_numel``).
+
+    Example::
+
+        >>> state, hook = comms.make_hook("qsgd:bits=4")
+        >>> ddp_model.register_comm_hook(state, hook)
+    """
+    kwargs.setdefault("algorithm", "auto")  # the cost-model planner (comms.tuning.planner)
+    state = CompressionState(compressor, process_group, error_feedback=error_feedback,
+                             start_iter=start_iter, **kwargs)
+    return state, compression_hook
+
+
+def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
+             optimizer=None, adam_freeze=ADAM_FREEZE_DEFAULT, **kwargs) -> CompressionState:
+    """Register the compression hook on a DDP model and return its state.
+
+    The state is bound to the model's parameter names (``state.bind``), so its bucket
+    layouts survive a restart (bit-exact resume from ``state.state_dict()``).
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model.
+        compressor: a :class:`compressors.Compressor` or a spec string.
+        check_replicas_every: ``N`` > 0 compares the parameters of all ranks (a fingerprint
+            allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
+            backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
+            first differing parameter. ``None``/0: off.
+        optimizer: the training optimizer (recommended). SGD momentum is taken over as the
+            hook's momentum correction (:func:`take_over_momentum`; the optimizer's set to 0),
+            unless the compressor's ``momentum_correction`` is False (PowerSGD). With
+            ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
+            Adam/AdamW with top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
+        adam_freeze: with such an Adam optimizer: ``"auto"`` (the default: the variance
+            freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
+            gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,
+            not Adam/AdamW, a compressor that keeps the gradient path) is an error.
+        **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
+            :class:`~comms.ddp.state.CompressionState`).
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
+        ValueError: bad compressor spec or options, an optimizer that holds none of the
+            model's trainable parameters, an ``adam_freeze`` that does not apply, or the
+            model already has a hook (before any communication; nothing is registered).
+
+    Example: ``state = comms.register(ddp_model, "topk:density=0.01", optimizer=opt)``."""
+    if not isinstance(ddp_model, DistributedDataParallel):
+        hint = ("; for FSDP2 (fully_shard) models use comms.fsdp.register(model, spec)"
+                if _is_fsdp2(ddp_model) else "")
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
+                        f"got {type(ddp_model).__name__}{hint}")
+    if getattr(ddp_model, "_commpress_state", None) is not None:
+        raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
+                         f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
+                         "communication hook per model")
+    guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
+    check_adam_freeze(adam_freeze)  # its value; check_pairing: whether it applies
+    state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs,
+                                  check=lambda probe: check_pairing(probe, optimizer, adam_freeze,
+                                                                    ddp_model.module.named_parameters()))
+    state.bind(ddp_model)
+    state.replica_guard = guard
+    try:  # ValueError: an Adam layout the update cannot follow; RuntimeError: DDP has a hook
+        state.adam = adam_pairing(state, optimizer, adam_freeze)
+        ddp_model.register_comm_hook(state, compression_hook)
+    except (ValueError, RuntimeError) as exc:
+        give_back_momentum(optimizer, taken)  # nothing half-applied (the optimizer's mark too)
+        if state.adam is not None:
+            state.adam.remove()
+        if isinstance(exc, ValueError):
+            raise
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
+    ddp_model._commpress_state = state
+    return state
+
+
+def _is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
