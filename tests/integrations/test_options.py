@@ -12,7 +12,8 @@ from comms.cluster.launch import spawn
 
 L = pytest.importorskip("lightning")
 
-from comms.integrations import accelerate as acc_helper  # noqa: E402, fabric as fabric_helper  # noqa: E402
+from comms.integrations import accelerate as acc_helper  # noqa: E402
+from comms.integrations import fabric as fabric_helper  # noqa: E402
 from comms.integrations.callback import CommpressStatsCallback  # noqa: E402
 from comms.integrations.lightning import SPEC_ENV, CommpressDDPStrategy  # noqa: E402
 from comms.integrations.pairing import REGISTER_OPTIONS, check_options, summary  # noqa: E402
