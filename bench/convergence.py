@@ -314,7 +314,7 @@ class CharLM12MTask(CharLMTask):
     # torch's fp16 and PowerSGD hooks next to our default path, one row per compressor the
     # momentum-space scheme (sign, top-k) or the gradient path (QSGD, fp16) serves
     ttq_hooks = ("torch-psgd-r1,torch-fp16,default(sign),default(topk1%),default(qsgd4),"
-                 "default(qsgd8),default(fp16)")
+                 "default(qsgd8),default(fp16),outer(")
 
     def __init__(self, args):
         super().__init__(args)
@@ -409,7 +409,7 @@ def train(task, cfg, args, rank: int, world: int, *, target: float | None = None
     stamps, step_s = t[:steps + 1].tolist(), sorted(t[steps + 1:].tolist())
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    tuner = getattr(getattr(state, "planner", None), "tuner", None)
+    tuner = getattr(getattr(state, "planner", None), "tuner", None) if getattr(state, "outer", None) is None else None
     run = {"curve": curve, "times": [stamps[s] for s, _ in curve], "wall_s": stamps[-1],
            "step_ms": 1e3 * statistics.median(step_s) if step_s else None, "steps": steps,
            "wire_bytes": wire.config_wire_bytes(cfg, state, params, world),
@@ -438,6 +438,12 @@ def rank_main(rank: int, world: int, args):
         configs = [configs[0]] + [
             hooks.HookConfig(item, "ours", item.rpartition("@")[0], item.rpartition("@")[2] or None)
             for item in args.specs.split(";") if item.strip()]
+    for item in args.outer or ():  # "spec@sync_every=4,sync_fragments=2,sync_delay=1"
+        spec, _, kv = item.partition("@")
+        from compressors.registry import _parse_value
+
+        sync = {k.strip(): _parse_value(v) for k, _, v in (p.partition("=") for p in kv.split(",") if p)}
+        configs.append(hooks.outer_config(spec, sync))
     if args.time_to_quality:
         return ttq_main(rank, world, args, configs, skipped)
     if rank == 0:
@@ -473,7 +479,7 @@ def rank_main(rank: int, world: int, args):
 
 # -- time to quality (the headline measure) ---------------------------------------------------
 # the run's default hooks: dense, torch's two, every default(...) row, two labelled pinned rows
-TTQ_HOOKS = "torch-psgd-r1,torch-fp16,default(,topk1%+ef@allgather,sign+ef@allgather"
+TTQ_HOOKS = "torch-psgd-r1,torch-fp16,default(,outer(,topk1%+ef@allgather,sign+ef@allgather"
 TTQ_COLUMNS = ["hook", "path", "algorithm", "tuned", "steps", "stop", "wall_s", "step_ms", "loss_ratio",
                "ttq_step", "ttq_s", "speedup", "vs_psgd_r1", "wire_MB", "raw_ms"]
 PSGD = "torch-psgd-r1"
@@ -576,6 +582,8 @@ def ttq_main(rank: int, world: int, args, configs, skipped):
         for col, base in (("speedup", ref["dense"]), ("vs_psgd_r1", ref.get(PSGD))):
             r[col] = base / r["_secs"] if base and r["_secs"] else None
     if floor is not None:
+        for r, run in zip(rows, runs.values()):  # the floor against the mean step, tuning included
+            r["util"] = floor["step_ms"] / (1e3 * run["wall_s"] / run["steps"]) if run["steps"] else None
         rows.append({"hook": FLOOR, "path": "no DDP", "algorithm": "none", "step_ms": floor["step_ms"]})
         for r in rows:
             r["vs_floor"] = r["step_ms"] / floor["step_ms"] if r["step_ms"] else None
@@ -618,7 +626,7 @@ def task_floor(task, args, rank: int, world: int) -> dict:
 def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_before,
                load_after) -> None:
     out = args.out
-    tables.write_csv(out + ".csv", rows, TTQ_COLUMNS + ["final_loss", "vs_floor"])
+    tables.write_csv(out + ".csv", rows, TTQ_COLUMNS + ["final_loss", "vs_floor", "util"])
     tables.write_csv(out + "_curves.csv",
                      [{"hook": h, "step": s, "seconds": t, "loss": v}
                       for h, run in runs.items() for (s, v), t in zip(run["curve"], run["times"])],
@@ -649,7 +657,9 @@ def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_
           "other default (algorithm auto; out of the box); `pinned`: a hand-picked algorithm and "
           "setting (e.g. `topk:density=0.01,exact=false` at allgather), not the default; `torch`: "
           "PyTorch's own hooks (optimizer keeps its momentum). `steps`/`wall_s`: the whole run "
-          "(up to its stop); "
+          "(up to its stop); `outer(...)` rows communicate every H steps (`comms.register(ddp, "
+          "spec, optimizer=opt, sync_every=H, sync_fragments=P, sync_delay=tau)`, hand-picked H, P, "
+          "tau; the wire bytes are per step, a round of fragments spread over its H steps); "
           "`step_ms`: median step; `loss_ratio` = final loss / dense's final; `ttq_step`/`ttq_s`: "
           "the first evaluation whose smoothed loss is <= dense's final loss (`not reached` if "
           "none); `speedup` = dense's ttq_s / the row's; `vs_psgd_r1` = torch PowerSGD r1's "
@@ -663,14 +673,16 @@ def _write_ttq(args, task, rows, runs, dense_final, skipped, world, floor, load_
         md += [f"Floor (same run): `{floor['hook']}` — the same model and batch trained without "
                f"DDP on every rank at once (world size 1, no communication; {how}), median step "
                f"{floor['step_ms']:.0f} ms: "
-               f"no hook's step can beat it; `vs_floor` = a row's step / the floor's.", ""]
+               f"no hook's step can beat it; `vs_floor` = a row's median step / the floor's; `util` "
+               f"(compute utilization) = the floor / the row's mean step over its whole run, tuning "
+               f"included.", ""]
     dense = next(r for r in rows if r["hook"] == "dense")
     if dense.get("raw_ms"):
         md += [f"Wire floor of a dense step (same run): {dense['wire_MB']:.1f} MB per rank in one "
                f"plain gloo allreduce on the same links takes {dense['raw_ms']:.1f} ms (dense's "
                f"`raw_ms`): the communication a dense step cannot avoid.", ""]
     md += [f"Skipped: {what} — {why}" for what, why in skipped] + ([""] if skipped else [])
-    md.append(tables.format_table(rows, TTQ_COLUMNS + (["vs_floor"] if floor else []), markdown=True))
+    md.append(tables.format_table(rows, TTQ_COLUMNS + (["vs_floor", "util"] if floor else []), markdown=True))
     md += ["", f"![{os.path.basename(png)}]({os.path.basename(png)})"]
     tables.write_text(out + ".md", "\n".join(md) + "\n")
 
@@ -799,6 +811,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="our hooks: DGC warm-up over this many compressed steps (0: off; default: "
                         "each compressor's default_warmup_steps, 5 for top-k)")
+    p.add_argument("--outer", action="append", default=None, metavar="SPEC@KEY=VALUE,...",
+                   help="an outer-sync row: spec and register's sync keywords, e.g. "
+                        "'qsgd:bits=4@sync_every=16,sync_fragments=4,sync_delay=3' (repeatable)")
     p.add_argument("--hook-opt", action="append", default=None, metavar="KEY=VALUE",
                    help="another comms.register option for our hooks (repeatable), e.g. "
                         "momentum_masking=false, clip_norm=1.0")

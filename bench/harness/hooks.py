@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["HookConfig", "torch_hook", "OURS", "AUTO_SPECS", "DEFAULT_SPECS", "short_label", "hook_configs",
-           "filter_configs", "attach_hook"]
+__all__ = ["HookConfig", "torch_hook", "OURS", "AUTO_SPECS", "DEFAULT_SPECS", "OUTER", "short_label",
+           "hook_configs", "filter_configs", "attach_hook", "outer_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class HookConfig:
         default: ``comms.register(model, spec)`` with every default (``algorithm="auto"``,
             its error-feedback choice): what a user gets out of the box. Benches lead with
             these rows; the others pin an algorithm or a setting and are labelled so.
+        sync: the outer sync's ``register`` keywords (``sync_every``, ...) as sorted pairs:
+            communicate every H steps (``()``: every step).
     """
 
     name: str
@@ -45,6 +47,7 @@ class HookConfig:
     error_feedback: bool | None = None
     rank: int = 0
     default: bool = False
+    sync: tuple = ()
 
 
 # Our compressors in the benches: (spec, error feedback, which algorithms). "each" means every
@@ -67,6 +70,27 @@ AUTO_ALGORITHMS = ("auto",)
 # the default path: each compressor's spec as a user writes it, nothing else set
 DEFAULT_SPECS = ("qsgd:bits=8", "qsgd:bits=4", "topk:density=0.01", "sign", "randomk:density=0.01",
                  "powersgd:rank=1", "fp16")
+
+
+# the outer sync (communicate every H steps): spec, then register's sync keywords; hand-picked
+OUTER = (
+    ("qsgd:bits=4", dict(sync_every=16, sync_fragments=4, sync_delay=3)),
+    ("qsgd:bits=8", dict(sync_every=16, sync_fragments=4, sync_delay=3)),
+    ("sign", dict(sync_every=16, sync_fragments=4, sync_delay=3)),
+)
+
+
+def outer_config(spec: str, sync: dict) -> HookConfig:
+    """The outer-sync row of ``spec`` with ``sync`` (named ``outer(qsgd4,H16,P4,tau3)``)."""
+    parts = [f"H{sync['sync_every']}"]
+    if sync.get("sync_fragments", 1) != 1:
+        parts.append(f"P{sync['sync_fragments']}")
+    if sync.get("sync_delay"):
+        parts.append(f"tau{sync['sync_delay']}")
+    if sync.get("outer", "nesterov") != "nesterov":
+        parts.append(sync["outer"])
+    return HookConfig(f"outer({short_label(spec, None)},{','.join(parts)})", "ours", spec, None, None,
+                      sync=tuple(sorted(sync.items())))
 
 
 def short_label(spec: str, ef: bool | None) -> str:
@@ -161,6 +185,7 @@ def hook_configs(torch_hooks: bool = True, ours: Sequence = OURS,
                 continue
             configs.append(HookConfig(f"{short_label(spec, st.error_feedback)}@{alg}", "ours", spec,
                                       alg, ef))
+    configs += [outer_config(spec, sync) for spec, sync in OUTER]
     if auto:
         for spec in auto_specs:
             st, why = _try_state(spec, "auto", None)
@@ -208,6 +233,11 @@ def attach_hook(ddp, cfg: HookConfig, process_group=None, start_iter: int = 2, o
                                          random_seed=0)
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
         return st
+    if cfg.kind == "ours" and cfg.sync:  # communicate every H steps (hand-picked H, P, tau)
+        import comms
+
+        return comms.register(ddp, cfg.spec, process_group=process_group, optimizer=optimizer,
+                              **dict(cfg.sync), **{k: v for k, v in hook_kwargs.items() if k != "warmup_steps"})
     if cfg.kind == "ours" and cfg.default:  # exactly what a user writes: nothing but the spec
         import comms
 

@@ -40,6 +40,9 @@ def config_wire_bytes(cfg: HookConfig, state, params: list, world: int) -> int |
         return dense_wire_bytes(numel, world, 2)
     if cfg.kind == "torch-powersgd":
         return torch_powersgd_wire_bytes(params, cfg.rank, world)
+    outer = getattr(state, "outer", None)
+    if outer is not None:  # one round of fragments every H steps, spread over its steps
+        return outer.state.wire_bytes_per_step() // outer.schedule.every
     # buckets in state.stats were compressed; the rest (e.g. the auto planner chose dense) were not
     stats = getattr(state, "stats", {}) or {}
     covered = sum(s.dense_bytes for s in stats.values())
@@ -50,6 +53,9 @@ def config_algorithm(cfg: HookConfig, state, dense_bytes: int) -> str:
     """The algorithm column: for ``auto``, what the planner chose for the buckets."""
     if cfg.kind != "ours":
         return cfg.kind
+    outer = getattr(state, "outer", None)
+    if outer is not None:
+        return f"outer:{outer.state.router.name}"
     if cfg.algorithm != "auto" and not cfg.default:
         return cfg.algorithm or "-"
     stats = getattr(state, "stats", {}) or {}

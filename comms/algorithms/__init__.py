@@ -17,7 +17,8 @@ from .two_phase import two_phase
 from .shared_scale import shared_scale
 from .hierarchical import Hierarchical
 
-__all__ = ["ALGORITHMS", "Algorithm", "DENSE", "register_algorithm", "get_algorithm", "allreduce",
+__all__ = ["ALGORITHMS", "Algorithm", "DENSE", "PREFERENCE", "default_algorithm", "register_algorithm",
+           "get_algorithm", "allreduce",
            "allgather", "two_phase", "shared_scale", "Hierarchical"]
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,20 @@ def register_algorithm(alg: Algorithm) -> Algorithm:
         h = Hierarchical(alg)
         ALGORITHMS[h.name] = h
     return alg
+
+
+#: the algorithm a compressor travels with when none is named: the first it supports (a linear
+#: one keeps the cost independent of the world size)
+PREFERENCE = ("allreduce", "allgather", "two_phase")
+
+
+def default_algorithm(compressor) -> str:
+    """The first of :data:`PREFERENCE` that ``compressor`` supports; raises naming it when none."""
+    name = next((a for a in PREFERENCE if compressor.supports(a) and a in ALGORITHMS), None)
+    if name is None:
+        raise ValueError(f"compressor {compressor.spec()!r} supports none of the available "
+                         f"algorithms {sorted(ALGORITHMS)}")
+    return name
 
 
 def get_algorithm(name: str) -> Algorithm:

@@ -53,7 +53,7 @@ from ..transport.waits import wait
 from ..transport.errors import where
 from . import buffers
 
-__all__ = ["Algorithm", "DENSE", "Want", "PLAIN", "round_wait", "decode_own", "hand_over"]
+__all__ = ["Algorithm", "DENSE", "Want", "PLAIN", "Route", "BEFORE_START", "round_wait", "decode_own", "hand_over"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,28 @@ class Want:
 
 #: the plain request: the sum and this rank's own contribution, both materialized
 PLAIN = Want()
+
+
+@dataclass(frozen=True)
+class Route:
+    """What runs for one gradient at one step (chosen by a router: :mod:`comms.tuning.router`).
+
+    Attributes:
+        name: an algorithm name, or ``"dense"``.
+        settled: dense is the decision (not a trial's dense step, not before compression
+            starts): the residual drains.
+        switches: the route takes part in switch tracking (a gradient moving between
+            algorithms gives the old one's kept residual back once); not before compression
+            starts, not during a module's timed trials.
+    """
+
+    name: str
+    settled: bool = True
+    switches: bool = True
+
+
+#: the route of a step before compression starts
+BEFORE_START = Route(DENSE, settled=False, switches=False)
 
 
 def decode_own(compressor, x, payload, ctx, deferred: bool):

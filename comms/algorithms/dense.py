@@ -23,14 +23,18 @@ def dense_wire_bytes(numel: int, element_size: int, world: int) -> int:
     return 2 * (world - 1) * numel * element_size // world
 
 
-class DenseAllReduce(Algorithm):
-    """``x`` summed over the group in place (a ring allreduce's bytes)."""
+class _Dense(Algorithm):
+    """No compression: every compressor "supports" it (there is nothing to encode)."""
 
     name = DENSE
     family = DENSE
 
     def supports(self, compressor) -> bool:
         return True
+
+
+class DenseAllReduce(_Dense):
+    """``x`` summed over the group in place (a ring allreduce's bytes)."""
 
     def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
         return comm.all_reduce(x).then(_no_own)
@@ -39,15 +43,10 @@ class DenseAllReduce(Algorithm):
         return dense_wire_bytes(numel, torch.empty(0, dtype=dtype).element_size(), world)
 
 
-class DenseReduceScatter(Algorithm):
+class DenseReduceScatter(_Dense):
     """This rank's chunk of the sum of ``x`` (``world`` equal chunks)."""
 
-    name = DENSE
-    family = DENSE
     shard = True
-
-    def supports(self, compressor) -> bool:
-        return True
 
     def __call__(self, comm, compressor, x, ctx, store, want: Want = PLAIN):
         return comm.reduce_scatter(x).then(_no_own)

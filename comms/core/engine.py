@@ -33,11 +33,12 @@ import torch
 from compressors import Context
 
 from ..algorithms import ALGORITHMS, DENSE
+from ..algorithms.base import BEFORE_START, Route
 from ..transport.errors import round_failure
 from .stages import Delivery, feed_, local_flagged, nonfinite_flag, settle_, warm_step_goes_dense
 from .stats import record_call
 
-__all__ = ["Call", "Route", "Sink", "run", "DRAIN_STEPS"]
+__all__ = ["Call", "Route", "BEFORE_START", "Sink", "run", "DRAIN_STEPS"]
 
 #: dense steps over which a gradient's error-feedback residual is added once dense is the
 #: decision for it (a trial's dense steps leave the residual for the compressed steps that
@@ -45,28 +46,6 @@ __all__ = ["Call", "Route", "Sink", "run", "DRAIN_STEPS"]
 #: each of 8 shares adds under a step; added at once it was a 10x step (docs/design-notes.md,
 #: "Residual drain")
 DRAIN_STEPS = 8
-
-
-@dataclass(frozen=True)
-class Route:
-    """What runs for one gradient at one step.
-
-    Attributes:
-        name: an algorithm name, or ``"dense"``.
-        settled: dense is the decision (not a trial's dense step, not before compression
-            starts): the residual drains.
-        switches: the route takes part in switch tracking (a gradient moving between
-            algorithms gives the old one's kept residual back once); not before compression
-            starts.
-    """
-
-    name: str
-    settled: bool = True
-    switches: bool = True
-
-
-#: the route of a step before compression starts
-BEFORE_START = Route(DENSE, settled=False, switches=False)
 
 
 @dataclass
@@ -77,7 +56,7 @@ class Call:
         index: the gradient's index (its memory's key: a DDP bucket, an FSDP module).
         step: the step (the hash RNG's counter, the warm-up ramp).
         x: the flat gradient, this rank's contribution; fed and settled in place.
-        route: the :class:`Route`.
+        route: the :class:`~comms.algorithms.base.Route` (its router's choice).
         div: this rank's share of the average (DDP: the world size, divided here; FSDP/HSDP: 1,
             summed units: the adapter divides afterwards).
         limit: the clip limit of this rank's share (``None``: no clipping).

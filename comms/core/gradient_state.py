@@ -31,6 +31,10 @@ class GradientState(OptionsView):
     __slots__ = ("options", "memory", "algo_store", "stats", "adam", "replica_guard", "routes",
                  "_nonfinite")
 
+    #: attributes a pickled state leaves out (process groups, communicators, hooks on live
+    #: objects); :meth:`_reset_transient` makes them anew
+    _TRANSIENT = ("replica_guard", "adam", "routes")
+
     def __init__(self, options: PipelineOptions):
         self.options = options
         self.memory = LocalMemory()           # index -> residual, velocity, drain
@@ -54,6 +58,12 @@ class GradientState(OptionsView):
     def store(self, index: int) -> dict:
         return self.algo_store.setdefault(index, {})
 
+    def forget(self, index: int) -> None:
+        """Drop gradient ``index``'s residual, velocity and algorithm store (a layout change, a
+        non-finite call)."""
+        self.memory.reset(index)
+        self.algo_store.pop(index, None)
+
     # -- non-finite calls -----------------------------------------------------------------
     def reset_flagged_(self, index: int, flagged) -> None:
         """A non-finite call of gradient ``index``: its residual, velocity and store forgotten.
@@ -61,8 +71,7 @@ class GradientState(OptionsView):
         zeroed where it is set)."""
         if isinstance(flagged, bool):
             if flagged:
-                self.memory.reset(index)
-                self.algo_store.pop(index, None)
+                self.forget(index)
                 self._nonfinite = self._nonfinite + 1
             return
         for t in (self.memory.residuals.get(index), self.memory.velocities.get(index)):
@@ -82,8 +91,32 @@ class GradientState(OptionsView):
         n = self._nonfinite
         return int(n.item()) if isinstance(n, torch.Tensor) else int(n)
 
+    def wire_bytes_per_step(self) -> int:
+        """Bytes this rank sent on its gradients' last calls (one step)."""
+        return sum(s.wire_bytes for s in self.stats.values())
+
+    def dense_bytes_per_step(self) -> int:
+        """What those calls would have sent dense."""
+        return sum(s.dense_bytes for s in self.stats.values())
+
     def residual_bytes(self) -> int:
         """Bytes of error-feedback memory this rank holds (residuals and algorithm stores)."""
         n = sum(r.numel() * r.element_size() for r in self.memory.residuals.values())
         return n + sum(t.numel() * t.element_size() for d in self.algo_store.values()
                        for t in d.values() if isinstance(t, torch.Tensor))
+
+    # -- pickling (like torch's PowerSGDState: without process groups) -----------------------
+    def _reset_transient(self) -> None:
+        """Make the transient attributes anew (after construction and unpickling)."""
+        self.replica_guard, self.adam, self.routes = None, None, {}
+
+    def __getstate__(self):
+        slots = [k for cls in type(self).__mro__ for k in getattr(cls, "__slots__", ())]
+        held = {k: getattr(self, k) for k in slots if k != "__weakref__" and hasattr(self, k)}
+        held |= getattr(self, "__dict__", {})
+        return {k: v for k, v in held.items() if k not in self._TRANSIENT}
+
+    def __setstate__(self, st):
+        self._reset_transient()
+        for k, v in st.items():
+            setattr(self, k, v)

@@ -4,8 +4,8 @@ A stock run configures no logging, and Python then prints WARNING and above to s
 commpress logs each decision that changes how a run trains at WARNING, one line each — from
 rank 0 where every rank takes the same decision, from the rank concerned otherwise:
 
-* what ``algorithm="auto"`` locked (DDP: the plan; FSDP/HSDP: each module's route) and a
-  re-tune after the lock;
+* what ``algorithm="auto"`` locked (DDP: the plan; FSDP/HSDP: each module's route), a
+  re-tune after the lock, and a move to communicating every H steps;
 * the Adam(W) variance freeze and its step (momentum-space compression starts there);
 * a checkpoint without commpress state while compressing, an optimizer restored from a
   commpress run whose commpress state was not loaded, an optimizer momentum set back to 0.

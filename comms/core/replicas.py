@@ -15,7 +15,7 @@ import torch
 from ..transport.communicator import Communicator, TorchCommunicator
 from ..transport.waits import wait
 
-__all__ = ["check_replicas", "ReplicaMismatchError", "param_fingerprint", "ReplicaGuard"]
+__all__ = ["check_replicas", "check_tensors", "ReplicaMismatchError", "param_fingerprint", "ReplicaGuard"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,12 @@ def check_replicas(model: torch.nn.Module, process_group=None, *, buffers: bool 
     named = [(n, _local(p, gathered)) for n, p in module.named_parameters()]
     if buffers:
         named += [(n, _local(b, gathered)) for n, b in module.named_buffers()]
-    comm = communicator or TorchCommunicator(process_group)
+    return check_tensors(named, communicator or TorchCommunicator(process_group))
+
+
+def check_tensors(named: list, comm: Communicator, label: str = "parameter") -> torch.Tensor:
+    """:func:`check_replicas` on ``[(name, tensor)]`` (e.g. the outer sync's synced
+    parameters); raises :class:`ReplicaMismatchError` naming the first differing ``label``."""
     device = named[0][1].device if named else torch.device("cpu")
     if device.type != "cpu" and comm.backend in ("gloo", "mpi"):
         device = torch.device("cpu")
@@ -99,7 +104,7 @@ def check_replicas(model: torch.nn.Module, process_group=None, *, buffers: bool 
         odd = [r for r in range(world) if not bool(same[r, first])]
         name, t = named[first]
         raise ReplicaMismatchError(
-            f"check_replicas: parameter {name!r} (shape {tuple(t.shape)}, {t.dtype}) differs "
+            f"check_replicas: {label} {name!r} (shape {tuple(t.shape)}, {t.dtype}) differs "
             f"between ranks: rank(s) {odd} differ from rank 0 (checked on rank {comm.rank}); "
             f"{int((~same).any(dim=0).sum())} of {len(named)} tensors differ")
     return table.cpu()

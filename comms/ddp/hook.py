@@ -1,8 +1,8 @@
 """``compression_hook``: the DDP communication hook — a gradient bucket through the engine.
 
 Per bucket: the configuration check (once per layout, :mod:`comms.core.config_check`), the
-route (dense before ``start_iter`` and for small buckets; then the pinned algorithm or the
-``auto`` planner's), then :func:`comms.core.engine.run` on the flat bucket with this rank's
+route (``state.router``: dense before ``start_iter`` and for small buckets; then the pinned
+algorithm or the ``auto`` planner's), then :func:`comms.core.engine.run` on the flat bucket with this rank's
 share of the average (``div`` = the world size). This adapter only translates: a bucket whose
 parameters map onto several residual layouts (a resumed run's, DDP's rebuilt buckets) is split
 into parts (:mod:`comms.ddp.layouts`), each part's result is scattered back, and every
@@ -18,10 +18,12 @@ import torch.distributed as dist
 
 from ..algorithms import DENSE
 from ..algorithms.dense import dense_allreduce as _dense_allreduce
-from ..core.engine import BEFORE_START, Call, Route, Sink, run
+from ..core.checkpoint import hash64
+from ..core.engine import BEFORE_START, Call, Sink, run
 from ..core.stages import local_
 from ..transport.errors import clean_message, where
 from ..transport.futures import completed, stream_mark, wait_mark, when_all
+from .outer_switch import maybe_switch_to_outer
 from .state import CompressionState
 
 __all__ = ["compression_hook", "dense_allreduce", "DDPSink"]
@@ -85,23 +87,12 @@ def _on_nonfinite(state: CompressionState):
     return reset
 
 
-def _route(state: CompressionState, index: int, x: torch.Tensor, dense: bool) -> Route:
-    """Dense before compression starts and for small buckets; else the pinned algorithm or
-    the planner's (whose dense is settled unless it is a tuning trial's or a check's)."""
-    if dense:
-        return BEFORE_START
-    name = state.algorithm_for(index, x.numel(), x.dtype)
-    tuner = getattr(state.planner, "tuner", None) if state.planner is not None else None
-    trial = tuner is not None and (not tuner.locked or tuner.rule != tuner.decision)
-    return Route(name, settled=not trial)
-
-
 def _layout_plan(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int):
     params = bucket.parameters()
     return state.layout_tracker.plan(index, [state.param_key(p) for p in params],
                                      [p.numel() for p in params], buf,
                                      [state.memory.residuals, state.memory.velocities],
-                                     state.reset_bucket, state.error_feedback or state.local_transform)
+                                     state.forget, state.error_feedback or state.local_transform)
 
 
 def _begin_bucket(state: CompressionState, bucket: dist.GradBucket, buf: torch.Tensor, index: int,
@@ -134,16 +125,17 @@ def _shapes_at(bucket: dist.GradBucket, numel: int) -> dict:
     return shape_at if off == numel else {}
 
 
-def _part(state, comm, sink, x, index, step, dense, mbar, shapes=(), scatter=None):
-    """One flat part of a bucket through the engine."""
+def _part(state, comm, sink, x, index, step, mbar, shapes=(), scatter=None, route=None):
+    """One flat part of a bucket through the engine, on its route (``state.router``)."""
     world = comm.world_size
+    if route is None:
+        route = state.router.route(state, comm, index, step, x.numel(), x.dtype)
     limit = None if state.clip_norm is None else state.clip_norm / world  # this rank's share
-    call = Call(index, step, x, _route(state, index, x, dense), div=world, limit=limit, mbar=mbar,
-                shapes=shapes, dest=scatter)
+    call = Call(index, step, x, route, div=world, limit=limit, mbar=mbar, shapes=shapes, dest=scatter)
     return run(state, comm, call, sink)
 
 
-def _split_bucket(state, comm, sink, buf, plan, shape_at, step, dense, mbar=None) -> torch.futures.Future:
+def _split_bucket(state, comm, sink, buf, plan, shape_at, step, before_start, mbar=None) -> torch.futures.Future:
     """A bucket whose parameters map onto several residual layouts (a resumed run's layouts,
     DDP's rebuilt buckets): each part goes through the engine under its own index."""
     subs = []
@@ -160,7 +152,8 @@ def _split_bucket(state, comm, sink, buf, plan, shape_at, step, dense, mbar=None
         shapes = () if any(s is None or s[0] != n for s, (_, n) in zip(segs_shapes, segs)) \
             else tuple(s[1] for s in segs_shapes)
         part = None if mbar is None else torch.cat([mbar[o: o + n] for o, n in segs])
-        subs.append(_part(state, comm, sink, x, j, step, dense, part, shapes, scatter))
+        subs.append(_part(state, comm, sink, x, j, step, part, shapes, scatter,
+                          BEFORE_START if before_start else None))
     return when_all(subs, buf)
 
 
@@ -169,19 +162,19 @@ def _exchange(state, comm, bucket, buf, index: int, step: int) -> torch.futures.
     on each part of a split one)."""
     state.flags.drop_stale(step)
     state.config_check.check(comm, index, buf, step,
-                             lambda: state.config_hash(index, buf.numel(), buf.dtype, step),
+                             lambda: [hash64(v) for v in state.config_values(index, buf.numel(), buf.dtype, step)],
                              lambda: state.config_values(index, buf.numel(), buf.dtype, step))
     sink = DDPSink(state)
     mbar = _shared_momentum(state, bucket, step)
-    dense = step < state.first_step(step) or buf.numel() < state.min_compress_numel
-    if dense and not state.local_transform and mbar is None:
-        return _part(state, comm, sink, buf, index, step, True, None)  # no memory: no layout to follow
+    route = state.router.route(state, comm, index, step, buf.numel(), buf.dtype)
+    if route is BEFORE_START and not state.local_transform and mbar is None:
+        return _part(state, comm, sink, buf, index, step, None, route=route)  # no memory: no layout to follow
     plan = _layout_plan(state, bucket, buf, index)
     shape_at = _shapes_at(bucket, buf.numel())
     if plan == [(index, None)]:
         shapes = tuple(s for _, s in shape_at.values())
-        return _part(state, comm, sink, buf, index, step, dense, mbar, shapes)
-    return _split_bucket(state, comm, sink, buf, plan, shape_at, step, dense, mbar)
+        return _part(state, comm, sink, buf, index, step, mbar, shapes, route=route)
+    return _split_bucket(state, comm, sink, buf, plan, shape_at, step, route is BEFORE_START, mbar)
 
 
 _NO_MOMENTUM = torch.zeros(0)
@@ -236,7 +229,11 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     last = bucket.is_last()
     if last:
         state.iter += 1
+    if state.outer is not None:  # communicate every H steps: this rank's own gradient, unaveraged
+        return completed(buf)
     comm = _begin_bucket(state, bucket, buf, index, step)
+    if index == 0 and state.auto_outer is not None and maybe_switch_to_outer(state, state.numel, buf.dtype):
+        return completed(buf)  # the outer sync from this step on: this rank's own gradient
     if comm.world_size == 1 or buf.numel() == 0:
         mbar = _shared_momentum(state, bucket, step)
         if (state.local_transform or mbar is not None) and buf.numel():

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_adam_freeze, check_pairing,
                             give_back_momentum, pair_optimizer, replica_guard)
+from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
 from .hook import compression_hook
 from .state import CompressionState
 
@@ -47,33 +48,27 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
              optimizer=None, adam_freeze=ADAM_FREEZE_DEFAULT, **kwargs) -> CompressionState:
     """Register the compression hook on a DDP model and return its state.
 
-    The state is bound to the model's parameter names (``state.bind``), so its bucket
-    layouts survive a restart (bit-exact resume from ``state.state_dict()``).
-
     Args:
         ddp_model: the ``DistributedDataParallel`` model.
         compressor: a :class:`compressors.Compressor` or a spec string.
-        check_replicas_every: ``N`` > 0 compares the parameters of all ranks (a fingerprint
-            allgather, :func:`comms.check_replicas`) at the start of every ``N``-th step's
-            backward and raises :class:`comms.ReplicaMismatchError` on every rank, naming the
-            first differing parameter. ``None``/0: off.
-        optimizer: the training optimizer (recommended). SGD momentum is taken over as the
-            hook's momentum correction (:func:`take_over_momentum`; the optimizer's set to 0),
-            unless the compressor's ``momentum_correction`` is False (PowerSGD). With
-            ``momentum=`` given, the optimizer must have momentum 0 (:func:`check_optimizer`).
-            Adam/AdamW with top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
+        check_replicas_every: ``N`` > 0: :func:`comms.check_replicas` every ``N`` steps (with
+            the outer sync: the synced parameters every ``N`` syncs); ``None``/0: off.
+        optimizer: the training optimizer (recommended; :mod:`comms.core.pairing`): SGD momentum
+            is taken over as the hook's momentum correction (PowerSGD's stays); Adam/AdamW with
+            top-k, random-k or sign goes to momentum space (:mod:`comms.core.adam`).
         adam_freeze: with such an Adam optimizer: ``"auto"`` (the default: the variance
             freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
             gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,
             not Adam/AdamW, a compressor that keeps the gradient path) is an error.
-        **kwargs: as :func:`make_hook` (``momentum``, ``momentum_masking``, ``clip_norm``:
-            :class:`~comms.ddp.state.CompressionState`).
+        **kwargs: as :func:`make_hook` (:class:`~comms.ddp.state.CompressionState`); the outer
+            sync's ``sync_every=H`` (``0``: never; default: ``auto`` may choose it),
+            ``sync_fragments``, ``sync_delay``, ``outer``, ``outer_lr``, ``outer_momentum``
+            (:mod:`comms.outer`).
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
-        ValueError: bad compressor spec or options, an optimizer that holds none of the
-            model's trainable parameters, an ``adam_freeze`` that does not apply, or the
-            model already has a hook (before any communication; nothing is registered).
+        ValueError: a bad spec or option, an optimizer of another model, an ``adam_freeze`` that
+            does not apply, a model with a hook already (nothing is registered).
 
     Example: ``state = comms.register(ddp_model, "topk:density=0.01", optimizer=opt)``."""
     if not isinstance(ddp_model, DistributedDataParallel):
@@ -85,8 +80,11 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
-    guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
     check_adam_freeze(adam_freeze)  # its value; check_pairing: whether it applies
+    sync, auto_outer = take_sync_options(kwargs)
+    if sync is not None:  # communicate every H steps: the gradients stay local in between
+        return _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_replicas_every, kwargs)
+    guard = replica_guard(ddp_model.module, check_replicas_every)  # validated first
     state, taken = pair_optimizer(optimizer, lambda **kw: make_hook(compressor, **kw)[0], kwargs,
                                   check=lambda probe: check_pairing(probe, optimizer, adam_freeze,
                                                                     ddp_model.module.named_parameters()))
@@ -94,6 +92,8 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
     state.replica_guard = guard
     try:  # ValueError: an Adam layout the update cannot follow; RuntimeError: DDP has a hook
         state.adam = adam_pairing(state, optimizer, adam_freeze)
+        _allow_outer(state, ddp_model, optimizer, auto_outer, check_replicas_every,
+                     taken.momentum if taken else None)  # the SGD momentum an outer switch gives back
         ddp_model.register_comm_hook(state, compression_hook)
     except (ValueError, RuntimeError) as exc:
         give_back_momentum(optimizer, taken)  # nothing half-applied (the optimizer's mark too)
@@ -101,6 +101,34 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             state.adam.remove()
         if isinstance(exc, ValueError):
             raise
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
+    ddp_model._commpress_state = state
+    return state
+
+
+def _allow_outer(state, ddp_model, optimizer, auto_outer, check_every, taken) -> None:
+    """What ``auto`` needs to switch to the outer sync later (:mod:`comms.ddp.outer_switch`)."""
+    params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+    state.numel = sum(p.numel() for p in params)
+    if auto_outer and state.algorithm == "auto" and optimizer is not None:
+        state.auto_outer = (optimizer, params, check_every, taken)
+
+
+def _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_every, kwargs) -> CompressionState:
+    """``register(..., sync_every=H)``: the hook keeps each rank's gradients local; the outer
+    sync (:mod:`comms.outer`) runs after the optimizer's steps."""
+    check_outer_pairing(optimizer, adam_freeze, kwargs, ADAM_FREEZE_DEFAULT)
+    if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                    or check_every < 0):
+        raise ValueError(f"check_replicas_every must be an int >= 0 or None, got {check_every!r}")
+    state = make_hook(compressor, **kwargs)[0]  # validates every option first
+    params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+    state.outer = attach_outer(params, state.comm(), state.compressor, optimizer, sync, check_every, kwargs)
+    state.bind(ddp_model)
+    try:
+        ddp_model.register_comm_hook(state, compression_hook)
+    except RuntimeError as exc:  # DDP refuses a second hook of any kind
+        state.outer.hook_handle.remove()
         raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
     ddp_model._commpress_state = state
     return state

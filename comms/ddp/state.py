@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 from compressors import Compressor
 
-from ..algorithms import ALGORITHMS, get_algorithm
+from ..algorithms import ALGORITHMS, default_algorithm, get_algorithm
 from ..core.checkpoint import check_owner, hash64, owner, plain, settle, to_device
 from ..transport.communicator import Communicator, TorchCommunicator
 from ..core.config_check import ConfigCheck
 from .layouts import LayoutTracker
 from ..core.gradient_state import GradientState
+from ..tuning.router import FixedRouter, PlannerRouter
 from ..core.options import PipelineOptions
 from ..core.stats import BucketStats, stats_rows
 from .step_flags import StepFlags
@@ -38,8 +39,6 @@ from .step_flags import StepFlags
 __all__ = ["CompressionState", "BucketStats", "CONFIG_FIELDS"]
 
 logger = logging.getLogger(__name__)
-
-_PREFERENCE = ("allreduce", "allgather", "two_phase")
 
 # what every rank must agree on for a bucket, in the order of the cross-rank config check
 CONFIG_FIELDS = ("compressor", "algorithm", "seed", "start_iter", "error_feedback",
@@ -66,10 +65,7 @@ def resolve_algorithm(compressor, algorithm, autotune, autotune_steps):
     if algorithm is not None and not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a str or None, got {algorithm!r}")
     if algorithm is None:
-        algorithm = next((a for a in _PREFERENCE if compressor.supports(a) and a in ALGORITHMS), None)
-        if algorithm is None:
-            raise ValueError(f"compressor {compressor.spec()!r} supports none of the "
-                             f"available algorithms {sorted(ALGORITHMS)}")
+        algorithm = default_algorithm(compressor)
     planner = None
     alg = None if algorithm == "auto" else get_algorithm(algorithm)  # ValueError if unknown
     if alg is None or alg.hierarchical:
@@ -125,13 +121,14 @@ class CompressionState(GradientState):
     """
 
     __slots__ = (
-        "process_group", "communicator", "iter", "algorithm", "planner", "min_compress_numel",
-        "dense_calls", "layout_tracker", "param_names", "config_check", "flags", "_warned_nonfinite",
+        "process_group", "communicator", "iter", "algorithm", "planner", "router", "min_compress_numel",
+        "dense_calls", "layout_tracker", "param_names", "config_check", "flags", "_warned_nonfinite", "outer",
+        "auto_outer", "numel",
         "__weakref__",
     )
 
-    _TRANSIENT = ("process_group", "communicator", "config_check", "flags", "replica_guard",
-                  "adam", "routes", "__weakref__")
+    _TRANSIENT = GradientState._TRANSIENT + ("process_group", "communicator", "config_check", "flags",
+                                             "auto_outer")
 
     def __init__(self, compressor: "Compressor | str", process_group=None, *,
                  communicator: Communicator | None = None, start_iter: int = 2,
@@ -145,6 +142,7 @@ class CompressionState(GradientState):
         check_group(process_group, communicator)
         self.algorithm, self.planner = resolve_algorithm(self.compressor, algorithm, autotune,
                                                          autotune_steps)
+        self.router = PlannerRouter(self.planner) if self.algorithm == "auto" else FixedRouter(self.algorithm)
         self.process_group = process_group
         self.communicator = communicator
         self.iter = 0
@@ -155,9 +153,21 @@ class CompressionState(GradientState):
         self.layout_tracker = LayoutTracker()
         self.param_names: dict[int, str] = {}  # data_ptr -> name, filled by bind()
         self._warned_nonfinite = False
-        self._reset_transient()
+        self.outer = None  # comms.outer.OuterSync with register(..., sync_every=H)
+        # auto may switch to the outer sync (comms.ddp.outer_switch): (optimizer, parameters,
+        # replica-check interval, momentum taken over) until decided; None: it will not
+        self.auto_outer = None
+        self.numel = 0  # the model's trainable elements (set by register)
+        self._new_helpers()
 
     def _reset_transient(self) -> None:
+        """Unpickled (like torch's PowerSGDState, without its process group)."""
+        super()._reset_transient()
+        self.process_group = self.communicator = None
+        self._new_helpers()
+        logger.warning("CompressionState unpickled without a process group: the default group is used")
+
+    def _new_helpers(self) -> None:
         self.config_check = ConfigCheck(CONFIG_FIELDS)  # layouts whose config passed the check
         self.flags = StepFlags()  # this step's buckets awaiting the non-finite flag allreduce
 
@@ -193,10 +203,6 @@ class CompressionState(GradientState):
                 str(dtype), self.momentum, self.momentum_masking, self.clip_norm,
                 self.residual_bound, self.warmup_steps)
 
-    def config_hash(self, bucket_index: int, numel: int, dtype: torch.dtype, step: int) -> list[int]:
-        """One process-independent int64 per config field."""
-        return [hash64(v) for v in self.config_values(bucket_index, numel, dtype, step)]
-
     # -- parameters and layouts --------------------------------------------------------
     def bind(self, model: torch.nn.Module) -> "CompressionState":
         """Name the model's parameters so bucket layouts survive a restart (``register`` calls it)."""
@@ -228,19 +234,7 @@ class CompressionState(GradientState):
         """How many (bucket, step) reductions were non-finite and NaN-filled."""
         return self.nonfinite_calls
 
-    def reset_bucket(self, bucket: int) -> None:
-        """Forget a bucket's residual, velocity and algorithm store (layout change, non-finite
-        values)."""
-        self.memory.reset(bucket)
-        self.algo_store.pop(bucket, None)
-
     # -- reporting -----------------------------------------------------------------------
-    def wire_bytes_per_step(self) -> int:
-        return sum(s.wire_bytes for s in self.stats.values())
-
-    def dense_bytes_per_step(self) -> int:
-        return sum(s.dense_bytes for s in self.stats.values())
-
     def report(self) -> str:
         """A table of the per-bucket statistics (bytes sent per rank per step)."""
         rows = stats_rows(self.stats, "bucket", str)
@@ -282,6 +276,7 @@ class CompressionState(GradientState):
             # Adam's momentum space: when the variance froze (the momentum itself is the
             # optimizer's exp_avg, in the optimizer's state_dict)
             "adam": None if self.adam is None else self.adam.state_dict(),
+            "outer": None if self.outer is None else self.outer.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
@@ -297,6 +292,11 @@ class CompressionState(GradientState):
                             f"{type(sd).__name__}")
         check_owner(sd)
         self.options.check_saved(sd, int(sd["iter"]))
+        if (self.outer is None) != (sd.get("outer") is None):
+            raise ValueError("state was saved " + ("with" if sd.get("outer") is not None else "without")
+                             + " sync_every, this run " + ("uses it" if self.outer is not None else "does not"))
+        if self.outer is not None:
+            self.outer.load_state_dict(sd["outer"])  # validates before changing anything
         if sd.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"state was saved with algorithm {sd['algorithm']!r}, "
                              f"this run uses {self.algorithm!r}")
@@ -312,21 +312,5 @@ class CompressionState(GradientState):
         self._nonfinite = int(sd.get("nonfinite_buckets", 0))
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
-        self._reset_transient()
+        self._new_helpers()
         settle(self)
-
-    def __getstate__(self):
-        # like torch's PowerSGDState: process groups and communicators do not pickle
-        slots = GradientState.__slots__ + self.__slots__
-        return {k: getattr(self, k) for k in slots if k not in self._TRANSIENT}
-
-    def __setstate__(self, st):
-        self.process_group = None
-        self.communicator = None
-        self.replica_guard = None
-        self.adam = None
-        self.routes = {}
-        self._reset_transient()
-        for k, v in st.items():
-            setattr(self, k, v)
-        logger.warning("CompressionState unpickled without a process group: the default group is used")

@@ -101,7 +101,7 @@ class FSDPSink(Sink):
                 shield.zero_(out)
 
         if defer and alg is scatter_reduce:
-            st.defer(finish)
+            st.backward_end.defer(finish)
         else:
             finish()
 
@@ -117,7 +117,7 @@ class CompressedReduceScatter(ModuleStep, ReduceScatter):
             module's divide factor to 1 and this call divides by ``state.divide_factors``):
             then a compressed call inside backward returns once its exchange is issued, and
             the decode lands in FSDP's output when backward ends (an autograd final
-            callback: :meth:`~comms.fsdp.state.FSDPCompressionState.finish_pending`) — the
+            callback: :meth:`~comms.fsdp.backward_end.BackwardEnd.finish`) — the
             exchange overlaps the rest of backward. It stays synchronous where FSDP reads the
             output at once: a gradient to accumulate into, CPU offload, a post-accumulate-grad
             hook, a reduce dtype other than the parameters', a call ``auto`` times, or with
@@ -152,8 +152,8 @@ class CompressedReduceScatter(ModuleStep, ReduceScatter):
         factor = self._factor(_op_divides(op), comm.world_size)
         shield = st.unused.shield(st.memory, self.index, out.numel(), comm.world_size)
         dest = (out, factor, self._may_defer(out), shield)
-        self.run(comm, x, self.sink, scatter_reduce.name, dest)
-        return None  # FSDP ignores a returned Work: a deferred result lands via finish_pending
+        self.run(comm, x, self.sink, dest)
+        return None  # FSDP ignores a returned Work: a deferred result lands when backward ends
 
     def _factor(self, divide: bool, world: int) -> float | None:
         """What the output is divided by here: FSDP's factor when it was handed over, else
@@ -167,7 +167,7 @@ class CompressedReduceScatter(ModuleStep, ReduceScatter):
         st = self.state
         if self.module is None or st.timeout is not None or torch._C._current_graph_task_id() == -1:
             return False  # an explicit timeout: bounded before FSDP issues its next collective
-        if st.tuner is not None and self.index not in st.tuner.decision:
+        if st.router.timed(self.index):
             return False  # a timed call: its transfer belongs to its time
         for g in self.module._get_fsdp_state()._fsdp_param_groups:
             for fp in g.fsdp_params:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .reduce_scatter import CompressedReduceScatter
+from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
 from .bounded import BoundedReduceScatter, BoundedReplicateAllReduce
 from .replicate import ReplicateAllReduce
 from .params import PARAM_MODES, QuantizedAllGather
@@ -37,6 +38,15 @@ def _is_fsdp1(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _check_model(model) -> None:
+    """Raise naming a model commpress's FSDP support cannot equip at all."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"register() needs an nn.Module, got {type(model).__name__}")
+    if _is_fsdp1(model):
+        raise TypeError("commpress FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard); this model "
+                        "holds an FSDP1 FullyShardedDataParallel: apply fully_shard (FSDP2) instead")
 
 
 def _check_module(state: FSDPCompressionState, fqn: str, m, replicate_group) -> float:
@@ -99,10 +109,11 @@ def _equip(state: FSDPCompressionState, mods) -> None:
         if type(g._all_gather_comm) is DefaultAllGather:
             m.set_custom_all_gather(QuantizedAllGather(state, i))
         own_rs = type(g._reduce_scatter_comm) is DefaultReduceScatter
-        if state.native:
-            if own_rs:
-                m.set_custom_reduce_scatter(BoundedReduceScatter(state, i, counts=state.mode == "fsdp"))
-            if state.mode == "hsdp":
+        if state.native or state.outer is not None:
+            if own_rs:  # the outer sync: each replica's shard group averages its own gradients
+                m.set_custom_reduce_scatter(BoundedReduceScatter(state, i, counts=state.mode == "fsdp"
+                                                                 or state.outer is not None))
+            if state.mode == "hsdp" and state.outer is None:
                 m.set_all_reduce_hook(BoundedReplicateAllReduce(state, i))
             continue
         m.set_force_sum_reduction_for_comms(True)  # sums everywhere; divided once, below
@@ -119,10 +130,38 @@ def _equip(state: FSDPCompressionState, mods) -> None:
             m.set_gradient_divide_factor(1.0)
             m.set_custom_reduce_scatter(CompressedReduceScatter(state, i, module=m))
         else:
-            m.set_gradient_divide_factor(state.divide_factors[i])
             if own_rs:
                 m.set_custom_reduce_scatter(BoundedReduceScatter(state, i))
-            m.set_all_reduce_hook(ReplicateAllReduce(state, i))
+            if g.mesh_info.shard_mesh_size > 1:
+                m.set_gradient_divide_factor(state.divide_factors[i])
+                m.set_all_reduce_hook(ReplicateAllReduce(state, i))
+            else:
+                # one rank per shard group: FSDP would divide twice (its single-rank path divides
+                # the copy by the factor and divides again after the hook), so the hook divides
+                m.set_gradient_divide_factor(1.0)
+                m.set_all_reduce_hook(ReplicateAllReduce(state, i, divide=state.divide_factors[i]))
+
+
+def _register_outer(model, compressor, replicate_group, optimizer, adam_freeze, sync, check_every,
+                    options) -> FSDPCompressionState:
+    """HSDP with ``sync_every=H``: FSDP's own reduce-scatter inside each shard group every step
+    (bounded), no replicate all-reduce; the local shards are synced across the replicate group
+    every ``H`` steps by the outer sync (:mod:`comms.outer`)."""
+    if replicate_group is None:
+        raise ValueError("sync_every syncs replicas: it needs HSDP (pass replicate_group); FSDP2's "
+                         "shards have no replica to sync with")
+    check_outer_pairing(optimizer, adam_freeze, options, ADAM_FREEZE_DEFAULT)
+    kw = {k: v for k, v in options.items() if k not in ("algorithm", "params")}
+    state = FSDPCompressionState(compressor, replicate_group=replicate_group, params=options.get("params"),
+                                 algorithm=options.get("algorithm"), **kw)  # every option validated
+    mods, factors = _checked_modules(model, state, replicate_group)
+    state.modules, state.divide_factors = [fqn for fqn, _ in mods], factors
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if p.requires_grad]
+    state.outer = attach_outer(params, state.comm_for(replicate_group), state.compressor, optimizer, sync,
+                               check_every, options)
+    _equip(state, mods)
+    model._commpress_fsdp_state = state
+    return state
 
 
 def register(model: torch.nn.Module, compressor, *, replicate_group=None, algorithm: str | None = None,
@@ -132,37 +171,26 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
     """Equip every FSDP2 module of ``model`` with compressed gradient sync; return the state.
 
     Call after ``fully_shard`` and before the first backward, on every rank with the same
-    arguments; everything is validated before anything changes. Returns the state.
+    arguments; everything is validated first. HSDP ``sync_every=H``: :mod:`comms.outer`.
 
     Args:
         model: the root module, after ``fully_shard`` was applied to it and/or its children.
         compressor: a :class:`compressors.Compressor` or a spec (``"topk:density=0.01"``).
-        replicate_group: ``None``: FSDP mode (compressed reduce-scatter). A
-            ``ProcessGroup``: HSDP mode — ``model`` must be 1-D ``fully_shard`` over the
-            shard group, and the gradient shards are all-reduced, compressed, across this
-            group (see the module docstring).
+        replicate_group: ``None``: FSDP mode. A ``ProcessGroup``: HSDP mode — ``model`` is 1-D
+            ``fully_shard`` over the shard group; the shards are reduced across this group.
         algorithm: ``"auto"`` (``None``, the default): per module, dense or compressed by
-            measured calls. Compressed on every call: ``"scatter_reduce"`` (FSDP) or
+            measured calls; compressed on every call: ``"scatter_reduce"`` (FSDP) or
             ``"allreduce"``, ``"allgather"``, ``"two_phase"`` (HSDP).
-        params: the parameter all-gather (:mod:`comms.fsdp.params`; the fp32 shards the
-            optimizer updates are untouched): ``"int8"`` / ``"int4"`` — block-quantized
-            (256 elements per fp32 scale), every rank decodes the same bytes; ``"full"`` —
-            FSDP's own; ``"auto"`` (``None``, the default) — FSDP mode with a lossy
-            compressor: full or int8 per module by measured calls (int8 on every call with
-            a pinned ``algorithm``); HSDP or ``"identity"``: full.
-        optimizer: paired as :func:`comms.register` does (SGD momentum taken over; Adam(W)
-            with top-k/random-k in momentum space, a velocity per rank from 0 at the freeze).
-        adam_freeze: as in :func:`comms.register`.
+        params: the parameter all-gather (:mod:`comms.fsdp.params`): ``"auto"``, ``"full"``, ``"int8"``, ``"int4"``.
+        optimizer, adam_freeze: paired as :func:`comms.register` does (:mod:`comms.core.pairing`).
         check_replicas_every: ``N`` > 0 compares parameters every ``N`` steps (HSDP: the
             replicas' shards; FSDP: the gathered parameters); ``None``/0: off.
-        **options: :class:`~comms.core.options.PipelineOptions` (``error_feedback``, ``seed``,
-            ``start_iter`` — default 0 —, ``timeout``, ``momentum``, ``momentum_masking``,
-            ``clip_norm``, ``residual_bound``, ``warmup_steps``).
+        **options: :class:`~comms.core.options.PipelineOptions` (``start_iter`` default 0).
 
     Raises:
         TypeError: an FSDP1 model, no FSDP2 module, a bad option type.
         ValueError: an unsupported compressor or option; a module with several parameter
-            groups, on native 2-D HSDP, or with a commpress or custom comm hook already.
+            groups, on native 2-D HSDP, or with a commpress or custom hook already.
 
     Example::
 
@@ -170,11 +198,11 @@ def register(model: torch.nn.Module, compressor, *, replicate_group=None, algori
         >>> state = comms.fsdp.register(model, "qsgd:bits=4",                   # HSDP
         ...                             replicate_group=mesh.get_group("replicate"))
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"register() needs an nn.Module, got {type(model).__name__}")
-    if _is_fsdp1(model):
-        raise TypeError("commpress FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard); this model "
-                        "holds an FSDP1 FullyShardedDataParallel: apply fully_shard (FSDP2) instead")
+    _check_model(model)
+    sync, _auto = take_sync_options(options)  # auto's outer sync: DDP only
+    if sync is not None:  # HSDP, communicating every H steps across the replicas
+        return _register_outer(model, compressor, replicate_group, optimizer, adam_freeze, sync,
+                               check_replicas_every, dict(options, algorithm=algorithm, params=params))
     guard = replica_guard(model, check_replicas_every, gathered=replicate_group is None)
     probe = FSDPCompressionState(compressor, replicate_group=replicate_group, algorithm=algorithm,
                                  params=params, **options)  # every option validated first

@@ -25,8 +25,9 @@ __all__ = ["ReplicateAllReduce", "HSDPSink"]
 
 
 class HSDPSink(Sink):
-    """HSDP's side of the engine (see the module docstring); ``call.dest``: the unused
-    parameters' :class:`~comms.fsdp.unused.Shield` or ``None``."""
+    """HSDP's side of the engine (see the module docstring); ``call.dest``: ``(shield, divide)``
+    — the unused parameters' :class:`~comms.fsdp.unused.Shield` or ``None``, what the sum is
+    divided by here (``None``: FSDP divides)."""
 
     dense = dense_allreduce
 
@@ -60,24 +61,30 @@ class HSDPSink(Sink):
             flagged = (wait(flag_fut, comm.timeout, what).to(x.device) > 0).reshape(())
             x.masked_fill_(flagged, float("nan"))
             st.reset_flagged_(call.index, flagged)
-        shield = call.dest
-        if shield is not None:  # parameters without a gradient: memory kept, result zero
-            shield.restore_memory()
-            shield.zero_(x)
+        _finish(x, *call.dest)
+
+
+def _finish(x: torch.Tensor, shield, divide) -> None:
+    if divide is not None:
+        x.div_(divide)  # where FSDP's post-divide would be: the same operation, the same bits
+    if shield is not None:  # parameters without a gradient: memory kept, result zero
+        shield.restore_memory()
+        shield.zero_(x)
 
 
 class ReplicateAllReduce(ModuleStep):
     """The HSDP-mode ``set_all_reduce_hook`` hook of one module: the output shard through the
-    engine across the replicate group (sum); FSDP divides afterwards.
+    engine across the replicate group (sum); FSDP divides afterwards — or, with ``divide``
+    (one rank per shard group, where FSDP would divide twice), this hook.
 
     Example::
 
         >>> module.set_all_reduce_hook(ReplicateAllReduce(state, index=0))
     """
 
-    def __init__(self, state, index: int):
+    def __init__(self, state, index: int, divide: float | None = None):
         super().__init__(state, index)
-        self.sink = HSDPSink(state)
+        self.sink, self.divide = HSDPSink(state), divide
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         st, idx = self.state, self.index
@@ -85,11 +92,9 @@ class ReplicateAllReduce(ModuleStep):
         x = reduce_output.view(-1)
         shield = st.unused.shield(st.memory, idx, x.numel(), 1)
         if comm.world_size > 1:
-            self.run(comm, x, self.sink, st.flat_algorithm(), shield)
+            self.run(comm, x, self.sink, (shield, self.divide))
             return
         if st.local_transform:  # nothing to exchange; the local steps still apply
             local_flagged(st, idx, x, 1, st.clip_limit(idx, 1))
         st.steps[idx] = st.steps.get(idx, 0) + 1
-        if shield is not None:
-            shield.restore_memory()
-            shield.zero_(x)
+        _finish(x, shield, self.divide)

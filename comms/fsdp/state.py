@@ -22,6 +22,8 @@ from ..transport.heartbeat import HEARTBEAT
 from ..transport.errors import where
 from .params import GatherStats, resolve_params
 from ..tuning.module_tuner import ModuleTuner
+from ..tuning.router import FixedRouter, ModuleRouter
+from .backward_end import BackwardEnd
 from .unused import UnusedParams
 from ..core.gradient_state import GradientState
 from ..core.options import OPTION_FIELDS, PipelineOptions
@@ -125,11 +127,25 @@ class FSDPCompressionState(GradientState):
         self.modules: list[str] = []             # module index -> fqn
         self.divide_factors: list[float] = []    # module index -> FSDP's post-sum divide factor
         self.tuner = ModuleTuner() if self.algorithm == "auto" else None
+        self.outer = None  # comms.outer.OuterSync with register(..., sync_every=H)
+        compressed = SCATTER_REDUCE if self.mode == "fsdp" else self.flat_algorithm()
+        self.router = FixedRouter(compressed) if self.tuner is None else ModuleRouter(self.tuner, compressed)
+        self._new_helpers()
+
+    _TRANSIENT = GradientState._TRANSIENT + ("replicate_group", "_comms", "config_check", "backward_end",
+                                             "unused")
+
+    def _new_helpers(self) -> None:
         self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
         self._comms: dict[int, TorchCommunicator] = {}
-        self._pending: list = []                 # run when backward ends (defer(), at_backward_end())
+        self.backward_end = BackwardEnd()        # the overlapped reduce-scatters, the unused drop
         self.unused = UnusedParams()             # parameters without a gradient this backward
-        self.deferred_calls = 0                  # reduce-scatters that overlapped backward
+
+    def _reset_transient(self) -> None:
+        """Unpickled: without process groups."""
+        super()._reset_transient()
+        self.replicate_group = None
+        self._new_helpers()
 
     # -- per call ------------------------------------------------------------------------
     def comm_for(self, group) -> TorchCommunicator:
@@ -188,28 +204,6 @@ class FSDPCompressionState(GradientState):
                 self.error_feedback, self.modules[index], step, numel, str(dtype)) + tuple(
                     getattr(self, k) for k in OPTION_FIELDS)
 
-    def defer(self, finish) -> None:
-        """Run ``finish`` when the current backward ends (autograd's final callback), after
-        every call deferred before it: a reduce-scatter whose exchange overlaps backward."""
-        self.at_backward_end(finish)
-        self.deferred_calls += 1
-
-    def at_backward_end(self, fn) -> None:
-        """Run ``fn`` when the current backward ends, after FSDP's own final callback (queued
-        when backward started) and after what was queued here before it."""
-        if not self._pending:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
-        self._pending.append(fn)
-
-    def finish_pending(self) -> None:
-        """Land every deferred reduce-scatter's result, in issue order (bounded waits). Runs by
-        itself when backward ends; call it before reading gradients inside backward."""
-        # taken out first: if one raises, the next backward starts with an empty list (and
-        # queues its own callback) instead of finishing a broken step's calls
-        pending, self._pending = self._pending, []
-        for finish in pending:
-            finish()
-
     @property
     def nonfinite_modules(self) -> int:
         """How many (module, step) reductions were non-finite and NaN-filled (reads the device)."""
@@ -226,7 +220,7 @@ class FSDPCompressionState(GradientState):
         for i, g in sorted(self.gather_stats.items()):
             rows.append(f"params {self.modules[i] or '<root>'}: {g.calls} all-gathers, "
                         f"{g.wire_bytes} of {g.dense_bytes} bytes sent, codec {g.codec_s * 1e3:.1f} ms")
-        rows.append(f"reduce-scatters overlapping backward: {self.deferred_calls}")
+        rows.append(f"reduce-scatters overlapping backward: {self.backward_end.deferred_calls}")
         rows.append(f"params={self.params}" + ("" if self.gather_tuner is None else
                                                f" ({str(self.gather_tuner).replace('auto: ', '')})"))
         return "\n".join(rows)
@@ -246,6 +240,7 @@ class FSDPCompressionState(GradientState):
             "gather_tuner": None if self.gather_tuner is None else self.gather_tuner.state_dict(),
             "gather_calls": {int(i): int(r.calls) for i, r in self.gather_stats.items()},
             "adam": None if self.adam is None else self.adam.state_dict(),
+            "outer": None if self.outer is None else self.outer.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any], device=None) -> None:
@@ -264,6 +259,11 @@ class FSDPCompressionState(GradientState):
                           ("error_feedback", self.error_feedback), ("modules", list(self.modules))):
             if sd.get(key) != mine:
                 raise ValueError(f"state was saved with {key}={sd.get(key)!r}, this model uses {mine!r}")
+        if (self.outer is None) != (sd.get("outer") is None):
+            raise ValueError("state was saved " + ("with" if sd.get("outer") is not None else "without")
+                             + " sync_every, this run " + ("uses it" if self.outer is not None else "does not"))
+        if self.outer is not None:
+            self.outer.load_state_dict(sd["outer"])  # validates before changing anything
         self.seed = int(sd["seed"])
         self.steps = {int(i): int(s) for i, s in sd["steps"].items()}
         self.memory.load_state_dict(sd["memory"], device=device)
@@ -279,17 +279,4 @@ class FSDPCompressionState(GradientState):
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
         settle(self)
-
-    def __getstate__(self):
-        held = {k: getattr(self, k) for k in GradientState.__slots__} | self.__dict__
-        return {k: v for k, v in held.items()
-                if k not in ("replicate_group", "_comms", "config_check", "replica_guard", "adam",
-                             "_pending", "unused", "routes")}
-
-    def __setstate__(self, st):
-        for k, v in st.items():
-            setattr(self, k, v)
-        self.replicate_group, self._comms, self.replica_guard, self.adam = None, {}, None, None
-        self._pending, self.unused, self.routes = [], UnusedParams(), {}
-        self.config_check = ConfigCheck(FSDP_CONFIG_FIELDS)
 

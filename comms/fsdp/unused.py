@@ -97,7 +97,7 @@ class UnusedParams:
             return
         self.spans[index] = spans
         if drop:
-            state.at_backward_end(lambda: self._drop(index, drop))
+            state.backward_end.add(lambda: self._drop(index, drop))
 
     def _drop(self, index: int, params) -> None:
         self.spans.pop(index, None)

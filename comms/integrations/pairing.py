@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 import warnings
 from typing import Any, Sequence
 
@@ -26,7 +27,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..core.checkpoint import settle
-from ..core.pairing import check_adam_freeze
+from ..core.pairing import ADAM_FREEZE_DEFAULT, check_adam_freeze
+from ..outer.attach import SYNC_OPTIONS, check_outer_pairing, take_sync_options
+from ..outer.sync import OuterSync
 from ..ddp.registration import register
 from ..ddp.state import CompressionState
 
@@ -44,7 +47,8 @@ _FRAMEWORK_OWNED = ("self", "compressor", "process_group", "communicator")
 def _register_options() -> tuple[str, ...]:
     """Keyword options of ``CompressionState`` (and of the options object its ``**options``
     go to, when it has one), plus ``register``'s own (``check_replicas_every``,
-    ``adam_freeze``; its ``optimizer`` is the framework's)."""
+    ``adam_freeze``; its ``optimizer`` is the framework's) and the outer sync's (``sync_every``,
+    ...: :data:`comms.outer.attach.SYNC_OPTIONS`)."""
     names, var = [], False
     for n, p in inspect.signature(CompressionState.__init__).parameters.items():
         var |= p.kind is p.VAR_KEYWORD
@@ -60,7 +64,7 @@ def _register_options() -> tuple[str, ...]:
                       if p.kind is p.KEYWORD_ONLY and n not in names]
     own = [n for n, p in inspect.signature(register).parameters.items()
            if p.kind is p.KEYWORD_ONLY and n != "optimizer" and n not in names]
-    return tuple(names + own)
+    return tuple(names + own + [n for n in SYNC_OPTIONS if n not in names + own])
 
 
 #: every option ``comms.register`` takes besides the model, spec and optimizer
@@ -95,8 +99,25 @@ def check_options(compressor, options: dict[str, Any]) -> CompressionState:
         raise TypeError(f"check_replicas_every must be an int >= 0 or None, got {every!r}")
     check_adam_freeze(options.get("adam_freeze", "auto"))
     kw = {k: v for k, v in options.items() if k not in ("check_replicas_every", "adam_freeze")}
+    sync, _ = take_sync_options(kw)  # ValueError: outer-sync keywords without sync_every
+    if sync is not None:
+        _check_sync(compressor, sync, kw, options.get("adam_freeze", ADAM_FREEZE_DEFAULT))
     kw.setdefault("algorithm", "auto")  # register's default (comms.make_hook)
     return CompressionState(compressor, **kw)
+
+
+def _check_sync(compressor, sync: dict, options: dict, adam_freeze) -> None:
+    """``sync_every=H`` and its keywords as ``register`` checks them, on a probe parameter and
+    a one-rank stand-in for the communicator (nothing is sent, no hook is attached)."""
+    probe = torch.zeros(1, requires_grad=True)
+    check_outer_pairing(torch.optim.SGD([probe], lr=0.0), adam_freeze, options, ADAM_FREEZE_DEFAULT)
+    one_rank = types.SimpleNamespace(world_size=1, rank=0, backend=None)
+    OuterSync([probe.detach()], one_rank, compressor, every=sync["sync_every"],
+              fragments=sync.get("sync_fragments") or 1, delay=sync.get("sync_delay") or 0,
+              outer=sync.get("outer") or "nesterov", outer_lr=sync.get("outer_lr"),
+              outer_momentum=sync.get("outer_momentum"),
+              **{k: options[k] for k in ("error_feedback", "seed", "timeout", "residual_bound", "algorithm")
+                 if options.get(k) is not None})
 
 
 def unwrap_optimizer(optimizer):

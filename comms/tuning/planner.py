@@ -180,14 +180,12 @@ class Planner:
         if self.tuner is None:
             return
         self.tuner.count_from = start_iter + warmup_steps
-        was_locked, was_decision = self.tuner.locked, self.tuner.decision
+        was_locked, was_decision, rank = self.tuner.locked, self.tuner.decision, getattr(self.comm, "rank", None)
         keys = list(dict.fromkeys(self._seen_prev + [(0, numel, dtype)]))
         self.tuner.begin_step(step, now, lambda: self._propose(keys), self._agree)
-        rank = None if self.comm is None else self.comm.rank
         if self.tuner.locked and not was_locked:
             notice(logger, "commpress (step %d): %s", step, self.tuner.lock_summary(), rank=rank)
-            if rank in (None, 0):
-                logger.debug("commpress autotune trial table:\n%s", self.tuner)
+            logger.debug("commpress autotune trial table:\n%s", self.tuner)
             self._logged = False  # log the plan again under the locked rule
         elif was_locked and not self.tuner.locked:  # the watchdog: the runner-up won, or a slowdown
             notice(logger, "commpress (step %d): autotune tunes again (was %r)", step, was_decision, rank=rank)

@@ -97,7 +97,7 @@ def overlap_vs_synchronous(rank, world, spec, n_steps, accumulate=1):
                 x, y = batch(rank, step * accumulate + micro)
                 nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        out[name] = {"local": local_shards(model), "deferred": state.deferred_calls}
+        out[name] = {"local": local_shards(model), "deferred": state.backward_end.deferred_calls}
     return out
 
 

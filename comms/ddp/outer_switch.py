@@ -1,0 +1,57 @@
+"""``auto`` on DDP moving from every-step compression to the outer sync (communicate every H
+steps), once, when :func:`comms.tuning.outer_choice.choose_outer` says the link still costs too
+much of a step.
+
+The switch happens at the first bucket of a step, after the autotuner locked its plan: the
+parameters then hold the same bits on every rank (every step so far was averaged), so they
+are the outer sync's first synced parameters. What per-step compression kept is given back:
+SGD's momentum returns to the optimizer (it trains locally now), Adam's momentum-space pairing
+is removed, the per-step residuals and velocities are dropped; the replica check moves to the
+synced parameters. From that bucket on every gradient stays local.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..outer.attach import attach_outer
+from ..tuning.outer_choice import choose_outer
+
+__all__ = ["maybe_switch_to_outer"]
+
+logger = logging.getLogger(__name__)
+
+
+def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
+    """Decide once, after the per-step plan locked; switch when the outer sync wins. Returns
+    whether gradients now stay local. The same decision on every rank (agreed step times, the
+    agreed cost model)."""
+    auto = state.auto_outer
+    if auto is None or state.outer is not None:
+        return state.outer is not None
+    tuner = state.planner.tuner if state.planner is not None else None
+    if tuner is None or not tuner.locked:
+        return False
+    state.auto_outer = None  # decided
+    sync, why = choose_outer(state.planner, state.compressor, numel, dtype)
+    if sync is None:
+        logger.info("commpress: auto keeps compressing every step: %s", why)
+        return False
+    opt, params, check_every, taken = auto
+    if state.adam is not None:
+        state.adam.remove()
+        state.adam = None
+    if taken is not None:
+        for g in opt.param_groups:
+            g["momentum"] = taken
+    state.memory.reset()
+    state.algo_store.clear()
+    state.replica_guard = None
+    options = {"seed": state.seed, "timeout": state.timeout, "error_feedback": state.error_feedback}
+    algorithm = sync.pop("algorithm")
+    if algorithm is not None:
+        options["algorithm"] = algorithm
+    state.outer = attach_outer(params, state.comm(), state.compressor, opt, sync, check_every, options)
+    logger.warning("commpress: auto communicates every %d steps from step %d: %s", sync["sync_every"],
+                   state.iter, why)
+    return True

@@ -1,0 +1,64 @@
+"""``choose_outer``: whether ``auto`` communicates every H steps instead of every step, and how.
+
+Once the step autotuner has locked its per-step plan, the measured steps and the probed cost
+model say how much of a step the link still costs. The compute of a step is the measured dense
+step minus the model's dense allreduce of the same bytes. When the best per-step plan still
+runs more than :data:`EXPOSED` above that compute, an outer sync that hides its transfer behind
+inner steps wins: ``auto`` switches to it if its predicted step — the compute plus the codec
+work of a round spread over its steps — beats the per-step plan by :data:`MARGIN`.
+
+Its settings are the smallest that hide the transfer: a round of fragments (the whole model's
+pseudo-gradient, compressed by the user's spec with the cheapest algorithm the model predicts)
+takes ``t_sync`` on the link; ``H`` covers it twice over and is at least :data:`MIN_EVERY`;
+four fragments (fewer when ``H`` is smaller) are synced in turn, each overlapping ``tau`` steps
+— its share of ``t_sync`` in steps, plus one.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..algorithms import DENSE
+
+__all__ = ["choose_outer", "EXPOSED", "MARGIN", "MIN_EVERY"]
+
+#: the per-step plan's step above the compute floor that counts as exposed communication
+EXPOSED = 0.15
+#: how much faster the outer sync's predicted step must be than the per-step plan's
+MARGIN = 0.10
+#: the smallest H: fewer inner steps between syncs buy little and cost a round's codec work
+MIN_EVERY = 8
+
+
+def choose_outer(planner, compressor, numel: int, dtype) -> tuple[dict | None, str]:
+    """``(sync keywords, reason)`` — ``None`` and why not, when per-step compression stays."""
+    tuner, model = planner.tuner, planner.model
+    if tuner is None or not tuner.locked or model is None or not tuner.table:
+        return None, "no locked per-step plan or no cost model"
+    med = {r: s for r, s, _ in tuner.table}
+    dense_s, best_s = med.get(DENSE), med.get(tuner.decision)
+    if not dense_s or not best_s or math.isnan(dense_s) or math.isnan(best_s):
+        return None, "no step times measured"
+    compute_s = max(dense_s - model.dense(numel, dtype), 0.2 * dense_s)
+    if best_s <= (1 + EXPOSED) * compute_s:
+        return None, (f"the per-step plan ({best_s * 1e3:.0f} ms) is within {EXPOSED:.0%} of the "
+                      f"compute ({compute_s * 1e3:.0f} ms)")
+    names = [a for a in planner.candidate_names() if a != DENSE]
+    costs = model.candidates(compressor, numel, dtype, names)
+    algorithm = min(names, key=lambda a: costs[a]) if names else DENSE
+    sync_s = costs[algorithm] if names else model.dense(numel, dtype)
+    codec_s = max(0.0, sync_s - model.dense(0, dtype))  # what a round costs beyond the link's latency
+    every = max(MIN_EVERY, 2 * math.ceil(sync_s / compute_s))
+    fragments = min(4, every)
+    every = fragments * math.ceil(every / fragments)
+    delay = min(every // fragments - 1, math.ceil(sync_s / fragments / compute_s) + 1)
+    outer_s = compute_s + min(codec_s, sync_s) / every
+    if outer_s * (1 + MARGIN) >= best_s:
+        return None, (f"the outer sync's predicted step ({outer_s * 1e3:.0f} ms) is not {MARGIN:.0%} "
+                      f"below the per-step plan's ({best_s * 1e3:.0f} ms)")
+    sync = {"sync_every": every, "sync_fragments": fragments, "sync_delay": max(0, delay),
+            "algorithm": algorithm if algorithm != DENSE else None}
+    return sync, (f"the per-step plan {tuner.decision!r} steps {best_s * 1e3:.0f} ms against "
+                  f"{compute_s * 1e3:.0f} ms of compute; a round of the model's pseudo-gradients "
+                  f"takes {sync_s * 1e3:.0f} ms ({algorithm}): every {every} steps, {fragments} "
+                  f"fragments, {max(0, delay)} steps overlapped, predicted step {outer_s * 1e3:.0f} ms")

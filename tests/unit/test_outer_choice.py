@@ -1,0 +1,50 @@
+"""``auto``'s choice between compressing every step and the outer sync (comms.tuning.outer_choice)."""
+
+import math
+
+import torch
+
+import compressors
+from comms.tuning.cost_model import CostModel, TierCost
+from comms.tuning.outer_choice import MIN_EVERY, choose_outer
+
+
+class _Tuner:
+    def __init__(self, table, decision):
+        self.locked, self.table, self.decision = True, table, decision
+
+
+class _Planner:
+    def __init__(self, link_bytes_per_s, table, decision="allgather"):
+        self.tuner = _Tuner(table, decision)
+        self.model = CostModel({"flat": TierCost("flat", 2, 1e-3, link_bytes_per_s)})
+
+    def candidate_names(self):
+        return ["allreduce", "allgather", "two_phase"]
+
+
+def test_a_slow_link_moves_to_the_outer_sync_that_hides_its_transfer():
+    # 25M parameters at 125 MB/s: a dense step's link time is most of its 0.9 s; the per-step
+    # plan still steps 0.3 s, well above the compute left
+    numel = 25_000_000
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.3, 6)])
+    sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=8"), numel, torch.float32)
+    assert sync is not None, why
+    every, frags, delay = sync["sync_every"], sync["sync_fragments"], sync["sync_delay"]
+    assert every >= MIN_EVERY and every % frags == 0 and 0 <= delay < every // frags
+    assert "every" in why and "fragments" in why
+
+
+def test_a_fast_link_keeps_compressing_every_step():
+    numel = 25_000_000
+    p = _Planner(1.25e10, [("dense", 0.12, 6), ("allgather", 0.11, 6)])
+    sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=8"), numel, torch.float32)
+    assert sync is None and "within" in why
+
+
+def test_nothing_locked_decides_nothing():
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.2, 6)])
+    p.tuner.locked = False
+    assert choose_outer(p, compressors.from_spec("sign"), 1000, torch.float32)[0] is None
+    p.tuner.locked, p.tuner.table = True, [("dense", math.nan, 0), ("allgather", 0.2, 6)]
+    assert choose_outer(p, compressors.from_spec("sign"), 1000, torch.float32)[0] is None
