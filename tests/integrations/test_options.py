@@ -34,6 +34,9 @@ TOPK = "topk:density=0.01"
     (dict(compressor=TOPK, commpress_timeout="soon"), ValueError, "timeout"),
     (dict(compressor=TOPK, check_replicas_every=True), TypeError, "check_replicas_every"),
     (dict(compressor=TOPK, adam_freeze=0), ValueError, "adam_freeze must be 'auto', None or an int >= 1"),
+    (dict(compressor=TOPK, sync_fragments=2), ValueError, r"\['sync_fragments'\] configure the outer sync"),
+    (dict(compressor=TOPK, sync_every=4, sync_delay=4), ValueError, "sync_delay must be < sync_every"),
+    (dict(compressor=TOPK, sync_every=4, clip_norm=1.0), ValueError, r"\['clip_norm'\] configure per-step"),
     (dict(compressor=TOPK, momentun=0.9), TypeError, r"unknown argument\(s\) \['momentun'\]"),
     (dict(compressor=TOPK, ddp_comm_hook=print), ValueError, "ddp_comm_hook is not allowed"),
 ])
@@ -48,6 +51,8 @@ def test_strategy_takes_every_register_option_and_keeps_ddp_kwargs_apart():
                              adam_freeze=20, find_unused_parameters=True)
     assert set(s.commpress_options) == set(REGISTER_OPTIONS)
     assert "adam_freeze" in REGISTER_OPTIONS and s.commpress_options["adam_freeze"] == 20
+    assert CommpressDDPStrategy(TOPK, sync_every=8, outer="average")._commpress_given == \
+        {"sync_every": 8, "outer": "average"}  # only what differs from register's defaults
     assert s.commpress_options["momentum"] == 0.9 and s.commpress_options["timeout"] == 30
     assert s._ddp_kwargs == {"find_unused_parameters": True}  # momentum no longer reaches DDP
 

@@ -36,6 +36,7 @@ def _trainer(tmp_path):
     (dict(adam_freeze=0), ValueError, "adam_freeze must be"),
     (dict(momentun=0.9), TypeError, r"unknown commpress option\(s\) \['momentun'\]"),
     (dict(check_replicas_every=True), TypeError, "check_replicas_every"),
+    (dict(sync_every=4, momentum=0.9), ValueError, r"\['momentum'\] configure per-step"),
 ])
 def test_register_checks_options_before_attaching_anything(tmp_path, options, error, match):
     trainer = _trainer(tmp_path)
