@@ -89,6 +89,9 @@ def outer_config(spec: str, sync: dict) -> HookConfig:
         parts.append(f"tau{sync['sync_delay']}")
     if sync.get("outer", "nesterov") != "nesterov":
         parts.append(sync["outer"])
+    for key, tag in (("outer_lr", "lr"), ("outer_momentum", "mu")):
+        if sync.get(key) is not None:
+            parts.append(f"{tag}{sync[key]:g}")
     return HookConfig(f"outer({short_label(spec, None)},{','.join(parts)})", "ours", spec, None, None,
                       sync=tuple(sorted(sync.items())))
 

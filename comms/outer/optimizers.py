@@ -5,8 +5,10 @@ Every rank holds the same synced parameters (``anchor``), the same averaged pseu
 operations in the same order (ARCHITECTURE.md §5: no fused multiply-add, no reductions), so the
 new synced parameters have the same bits on every rank.
 
-* ``"nesterov"`` (DiLoCo): ``m <- mu m + d``; ``anchor <- anchor - lr (d + mu m)``; defaults
-  ``lr`` 0.7, ``mu`` 0.9.
+* ``"nesterov"`` (DiLoCo's outer optimizer): ``m <- mu m + d``; ``anchor <- anchor - lr (d + mu m)``;
+  defaults ``lr`` 1.0, ``mu`` 0.5 — DiLoCo's 0.7 and 0.9 were chosen for ``H`` = 500; at the
+  ``H`` of 8-64 that hide a slow link's transfer they overshoot (docs/design-notes.md, "Outer
+  sync").
 * ``"average"``: ``anchor <- anchor - d``: the average of the replicas' parameters (post-local
   SGD's model averaging); no state.
 * ``"sparseloco"`` (SparseLoCo): ``anchor <- anchor - lr d`` with ``lr`` 1; error feedback on the
@@ -20,7 +22,7 @@ import torch
 __all__ = ["OUTER_OPTIMIZERS", "OuterOptimizer", "check_outer"]
 
 #: name -> (default lr, default momentum)
-OUTER_OPTIMIZERS = {"nesterov": (0.7, 0.9), "average": (1.0, 0.0), "sparseloco": (1.0, 0.0)}
+OUTER_OPTIMIZERS = {"nesterov": (1.0, 0.5), "average": (1.0, 0.0), "sparseloco": (1.0, 0.0)}
 
 
 class OuterOptimizer:

@@ -26,8 +26,9 @@ __all__ = ["choose_outer", "EXPOSED", "MARGIN", "MIN_EVERY"]
 EXPOSED = 0.15
 #: how much faster the outer sync's predicted step must be than the per-step plan's
 MARGIN = 0.10
-#: the smallest H: fewer inner steps between syncs buy little and cost a round's codec work
-MIN_EVERY = 8
+#: the smallest H: at 4 and 8 the equal-step loss was worse than at 16 (docs/design-notes.md,
+#: "Outer sync")
+MIN_EVERY = 16
 
 
 def choose_outer(planner, compressor, numel: int, dtype) -> tuple[dict | None, str]:
