@@ -45,6 +45,7 @@ from ..transport.waits import wait
 from .adam_policy import FREEZE_TOL, REFRESH_RATIO, VariancePolicy
 from .adam_share import EMPTY, LoopFactor, Preconditioner, Share
 from .adam_steps import frozen_step_, refresh_step_, thaw_, variance_change
+from .notices import notice
 
 __all__ = ["FrozenVarianceAdam", "Share", "adam_family", "momentum_space", "FREEZE_TOL",
            "REFRESH_RATIO", "MODES"]
@@ -304,8 +305,9 @@ class FrozenVarianceAdam:
             change, total = sum(r[0] for r in rows), sum(r[1] for r in rows)
         rel = 1.0 if total <= 0 else change / total
         if self.policy.observe(it, rel):
-            logger.info("commpress: Adam's variance frozen after %d dense steps (per-element "
-                        "relative change %.4f); the momentum is compressed from step %d", it, rel, it)
+            notice(logger, "commpress: Adam's variance frozen after %d dense steps (per-element "
+                   "relative change %.4f); the momentum is compressed from step %d", it, rel, it,
+                   rank=comm.rank)
         return None
 
     # -- checkpointing --------------------------------------------------------------------

@@ -16,17 +16,31 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 
 import torch
 
 from .adam import FrozenVarianceAdam, adam_family, momentum_space
 from .adam_policy import check_freeze
+from .checkpoint import owner, settle, settled
+from .notices import notice
 from .replicas import ReplicaGuard
 
 __all__ = ["ADAM_FREEZE_DEFAULT", "take_over_momentum", "check_optimizer", "pair_optimizer",
-           "give_back_momentum", "check_pairing", "adam_pairing", "replica_guard"]
+           "give_back_momentum", "check_pairing", "adam_pairing", "replica_guard",
+           "check_adam_freeze", "paired_momentum", "mark_paired", "PAIRED_KEY", "UNRESTORED"]
 
 logger = logging.getLogger(__name__)
+
+#: the param-group key :func:`pair_optimizer` sets: the momentum the hook applies (0.0: none).
+#: It travels in ``opt.state_dict()``, so a resumed run is recognised.
+PAIRED_KEY = "commpress_momentum"
+
+UNRESTORED = ("commpress (rank %d): the optimizer was restored from a commpress run's checkpoint "
+              "but this rank's commpress state (%s) was not loaded before the first step: "
+              "error-feedback residuals, momentum velocities, the Adam freeze and the autotune "
+              "plan restart from zero. Save state.state_dict() on every rank and load this rank's "
+              "own with state.load_state_dict() after register")
 
 
 class _Default(str):
@@ -129,6 +143,15 @@ def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None, repl
     return adam
 
 
+def check_adam_freeze(adam_freeze) -> None:
+    """Raise ``ValueError`` unless ``adam_freeze`` is ``"auto"``, ``None`` or an int >= 1."""
+    if adam_freeze is None or adam_freeze == "auto":
+        return
+    if isinstance(adam_freeze, bool) or not isinstance(adam_freeze, int) or adam_freeze < 1:
+        raise ValueError(f"adam_freeze must be 'auto', None or an int >= 1 (the step the "
+                         f"variance freezes at), got {adam_freeze!r}")
+
+
 def _no_adam_pairing(state, optimizer, sparsifiers_only: bool = False) -> str | None:
     """Why no Adam pairing applies to ``state`` and ``optimizer`` (``None``: one does)."""
     if optimizer is None:
@@ -189,23 +212,34 @@ def pair_optimizer(optimizer, build, kwargs: dict, check=None):
     so a bad option changes nothing), the pairing checked, or a warning without an optimizer.
     ``check(probe)``: raises before anything changes (:func:`check_pairing`).
 
+    The optimizer's param groups are marked (:data:`PAIRED_KEY`: the momentum the hook
+    applies). An optimizer that comes marked was restored from a commpress run's checkpoint:
+    its saved momentum is 0, so the hook takes the marked momentum. Marked at registration or
+    loaded marked afterwards, a state not loaded (``state.load_state_dict``) by the next
+    ``optimizer.step()`` is reported once (WARNING).
+
     Returns:
-        ``(state, taken)``: ``taken`` the momentum taken from ``optimizer`` (``None``: none),
+        ``(state, taken)``: ``taken`` what was changed on ``optimizer`` (``None``: nothing),
         for :func:`give_back_momentum` if registering fails afterwards.
     """
-    taken = None
+    taken, resumed = None, None
     if check is not None:
         check(build(**kwargs))  # validates the options too, before anything changes
     if optimizer is not None:
         momenta = _group_momenta(optimizer)  # TypeError before anything changes
-        if kwargs.get("momentum") is None and any(momenta):
-            probe = build(**{**kwargs, "momentum": momenta[0]})  # validate the rest first
+        resumed = paired_momentum(optimizer)
+        source = momenta[0] if any(momenta) else resumed
+        if kwargs.get("momentum") is None and source:
+            probe = build(**{**kwargs, "momentum": source})  # validate the rest first
             if getattr(probe.compressor, "momentum_correction", True):
-                kwargs = {**kwargs, "momentum": take_over_momentum(optimizer)}
-                taken = kwargs["momentum"]
+                taken = take_over_momentum(optimizer) if any(momenta) else None
+                kwargs = {**kwargs, "momentum": source if taken is None else taken}
     state = build(**kwargs)
     if optimizer is not None:
         check_optimizer(state, optimizer)
+        taken = _Taken(taken, [g.get(PAIRED_KEY) for g in optimizer.param_groups])
+        mark_paired(optimizer, state.momentum)
+        _watch_resume(state, optimizer, armed=resumed is not None)
     elif state.momentum is None and _wants_correction(state):
         logger.warning("commpress: %r keeps error-feedback residuals and was not told the "
                        "optimizer's momentum; with SGD momentum pass register(..., optimizer=opt) "
@@ -214,8 +248,69 @@ def pair_optimizer(optimizer, build, kwargs: dict, check=None):
     return state, taken
 
 
+class _Taken:
+    """What :func:`pair_optimizer` changed: the momentum taken over, the previous marks."""
+
+    __slots__ = ("momentum", "marks")
+
+    def __init__(self, momentum, marks):
+        self.momentum, self.marks = momentum, marks
+
+
+def paired_momentum(optimizer) -> float | None:
+    """The momentum a commpress hook applied for ``optimizer`` when its param groups were
+    marked (restored from a commpress run's checkpoint; 0.0: none), else ``None``."""
+    marks = [g[PAIRED_KEY] for g in optimizer.param_groups if g.get(PAIRED_KEY) is not None]
+    return float(marks[0]) if marks else None
+
+
+def mark_paired(optimizer, momentum) -> None:
+    """Mark every param group of ``optimizer`` with the momentum the hook applies."""
+    for g in optimizer.param_groups:
+        g[PAIRED_KEY] = float(momentum or 0.0)
+
+
+def _watch_resume(state, optimizer, armed: bool) -> None:
+    """Report a commpress state not loaded by the first ``optimizer.step()`` after the
+    optimizer came from a commpress run's checkpoint: at registration (``armed``) or loaded
+    afterwards (its groups carry the mark). A checkpoint without the mark (a plain run's) gets
+    it back: the hook's momentum is still what the optimizer's 0 stands for."""
+    ref, flags = weakref.ref(state), {"armed": armed}
+
+    def loaded(opt):
+        st = ref()
+        if st is None:
+            return
+        if paired_momentum(opt) is None:
+            mark_paired(opt, st.momentum)
+        else:
+            flags["armed"] = True
+
+    def check(opt, args, kwargs):
+        if not flags["armed"]:
+            return None
+        flags["armed"] = False
+        st = ref()
+        if st is not None and not settled(st):
+            settle(st)
+            notice(logger, UNRESTORED, owner()["rank"], st.compressor.spec())
+        return None
+
+    optimizer.register_step_pre_hook(check)
+    optimizer.register_load_state_dict_post_hook(loaded)
+
+
 def give_back_momentum(optimizer, taken) -> None:
-    """Undo :func:`take_over_momentum` (a registration that failed afterwards)."""
-    if taken is not None:
+    """Undo :func:`pair_optimizer` on ``optimizer`` (a registration that failed afterwards)."""
+    if taken is None:
+        return
+    momentum = taken.momentum if isinstance(taken, _Taken) else taken
+    if momentum is not None:
         for g in optimizer.param_groups:
-            g["momentum"] = taken
+            g["momentum"] = momentum
+    if isinstance(taken, _Taken):
+        for g, mark in zip(optimizer.param_groups, taken.marks):
+            if mark is None:
+                g.pop(PAIRED_KEY, None)
+            else:
+                g[PAIRED_KEY] = mark

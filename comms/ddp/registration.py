@@ -8,8 +8,8 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_pairing, give_back_momentum,
-                            pair_optimizer, replica_guard)
+from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_adam_freeze, check_pairing,
+                            give_back_momentum, pair_optimizer, replica_guard)
 from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
 from .hook import compression_hook
 from .state import CompressionState
@@ -70,10 +70,7 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         ValueError: a bad spec or option, an optimizer of another model, an ``adam_freeze`` that
             does not apply, a model with a hook already (nothing is registered).
 
-    Example::
-
-        >>> state = comms.register(ddp_model, "topk:density=0.01")
-    """
+    Example: ``state = comms.register(ddp_model, "topk:density=0.01", optimizer=opt)``."""
     if not isinstance(ddp_model, DistributedDataParallel):
         hint = ("; for FSDP2 (fully_shard) models use comms.fsdp.register(model, spec)"
                 if _is_fsdp2(ddp_model) else "")
@@ -83,6 +80,7 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         raise ValueError(f"this DistributedDataParallel model already has a commpress hook "
                          f"({ddp_model._commpress_state.compressor.spec()!r}); DDP allows one "
                          "communication hook per model")
+    check_adam_freeze(adam_freeze)  # its value; check_pairing: whether it applies
     sync, auto_outer = take_sync_options(kwargs)
     if sync is not None:  # communicate every H steps: the gradients stay local in between
         return _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_replicas_every, kwargs)
@@ -92,16 +90,18 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
                                                                     ddp_model.module.named_parameters()))
     state.bind(ddp_model)
     state.replica_guard = guard
-    state.adam = adam_pairing(state, optimizer, adam_freeze)  # ValueError before anything changes
-    _allow_outer(state, ddp_model, optimizer, auto_outer, check_replicas_every, taken)
-    try:
+    try:  # ValueError: an Adam layout the update cannot follow; RuntimeError: DDP has a hook
+        state.adam = adam_pairing(state, optimizer, adam_freeze)
+        _allow_outer(state, ddp_model, optimizer, auto_outer, check_replicas_every,
+                     taken.momentum if taken else None)  # the SGD momentum an outer switch gives back
         ddp_model.register_comm_hook(state, compression_hook)
-    except RuntimeError as exc:  # DDP refuses a second hook of any kind
-        give_back_momentum(optimizer, taken)  # nothing half-applied
+    except (ValueError, RuntimeError) as exc:
+        give_back_momentum(optimizer, taken)  # nothing half-applied (the optimizer's mark too)
         if state.adam is not None:
             state.adam.remove()
-        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): "
-                         f"{exc}") from exc
+        if isinstance(exc, ValueError):
+            raise
+        raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
     ddp_model._commpress_state = state
     return state
 

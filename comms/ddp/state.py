@@ -26,7 +26,7 @@ import torch.distributed as dist
 from compressors import Compressor
 
 from ..algorithms import ALGORITHMS, default_algorithm, get_algorithm
-from ..core.checkpoint import hash64, plain, to_device
+from ..core.checkpoint import check_owner, hash64, owner, plain, settle, to_device
 from ..transport.communicator import Communicator, TorchCommunicator
 from ..core.config_check import ConfigCheck
 from .layouts import LayoutTracker
@@ -264,6 +264,7 @@ class CompressionState(GradientState):
         """
         return {
             "iter": self.iter,
+            **owner(),  # the rank that saved it: load_state_dict refuses it on another
             **self.options.as_dict(),
             "algorithm": self.algorithm,
             "memory": self.memory.state_dict(),
@@ -282,13 +283,14 @@ class CompressionState(GradientState):
         """Restore :meth:`state_dict` (this rank's own file). Validates before changing anything.
 
         Raises:
-            ValueError: saved with a different compressor, algorithm, momentum,
-                momentum_masking, clip_norm, residual_bound or warmup_steps (the last only
-                while either warm-up is not over at the saved step).
+            ValueError: saved by another rank or world size; saved with a different compressor,
+                algorithm, momentum, momentum_masking, clip_norm, residual_bound or
+                warmup_steps (the last only while either warm-up is not over at the saved step).
         """
         if not isinstance(sd, dict) or "iter" not in sd:
             raise TypeError(f"load_state_dict needs a dict from CompressionState.state_dict(), got "
                             f"{type(sd).__name__}")
+        check_owner(sd)
         self.options.check_saved(sd, int(sd["iter"]))
         if (self.outer is None) != (sd.get("outer") is None):
             raise ValueError("state was saved " + ("with" if sd.get("outer") is not None else "without")
@@ -311,3 +313,4 @@ class CompressionState(GradientState):
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
         self._new_helpers()
+        settle(self)

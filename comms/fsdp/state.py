@@ -15,7 +15,7 @@ from compressors import Compressor
 from compressors.blockquant import PARAM_BITS, BlockQuantizer
 
 from ..algorithms import DENSE, get_algorithm
-from ..core.checkpoint import hash64, plain, to_device
+from ..core.checkpoint import check_owner, hash64, owner, plain, settle, to_device
 from ..transport.communicator import TorchCommunicator
 from ..core.config_check import ConfigCheck
 from ..transport.heartbeat import HEARTBEAT
@@ -229,7 +229,7 @@ class FSDPCompressionState(GradientState):
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and numbers (``torch.load(weights_only=True)`` reads it); per rank."""
         return {
-            "kind": "fsdp", **self.options.as_dict(), "mode": self.mode,
+            "kind": "fsdp", **owner(), **self.options.as_dict(), "mode": self.mode,
             "algorithm": self.algorithm, "modules": list(self.modules),
             "steps": {int(i): int(s) for i, s in self.steps.items()},
             "memory": self.memory.state_dict(),
@@ -253,6 +253,7 @@ class FSDPCompressionState(GradientState):
         if not isinstance(sd, dict) or sd.get("kind") != "fsdp":
             raise TypeError(f"load_state_dict needs a dict from FSDPCompressionState.state_dict(), "
                             f"got {type(sd).__name__}")
+        check_owner(sd)  # per rank: another rank's file raises
         self.options.check_saved(sd, min((int(s) for s in sd["steps"].values()), default=0))
         for key, mine in (("mode", self.mode), ("algorithm", self.algorithm), ("params", self.params),
                           ("error_feedback", self.error_feedback), ("modules", list(self.modules))):
@@ -277,3 +278,5 @@ class FSDPCompressionState(GradientState):
         self.gather_stats = {int(i): GatherStats(calls=int(c)) for i, c in sd.get("gather_calls", {}).items()}
         if self.adam is not None and sd.get("adam") is not None:
             self.adam.load_state_dict(sd["adam"])
+        settle(self)
+

@@ -11,6 +11,8 @@ options validated before anything runs, every rank's state in the framework's ch
 * :mod:`comms.integrations.fabric` — ``register(fabric, model, spec, optimizer=opt)``, ``load``.
 * :mod:`comms.integrations.accelerate` — ``register(accelerator, model, spec, optimizer=opt)``
   (DDP or FSDP2), ``load_state``.
+* :mod:`comms.integrations.transformers` — ``register(trainer, spec, **options)`` for a Hugging
+  Face ``Trainer`` (one line before ``trainer.train()``; every rank's state in ``checkpoint-N``).
 * :mod:`comms.integrations.pairing` — what they share (``check_options``,
   ``register_paired``, ``summary``), framework-free.
 

@@ -47,6 +47,7 @@ import re
 
 import torch
 
+from ..core.checkpoint import settle
 from .pairing import find_ddp, register_model, repair_momentum, warn_no_state
 from .rank_states import RankStates
 
@@ -137,6 +138,8 @@ def load_state(accelerator, input_dir: str, **kwargs) -> None:
     if ours and _missing(accelerator, input_dir):
         if accelerator.is_main_process:
             warn_no_state(input_dir, states[0].compressor.spec())
+        for st in states:
+            settle(st)  # reported: the first step's check stays quiet
         kept = list(accelerator._custom_objects)
         accelerator._custom_objects[:] = [o for o in kept if not isinstance(o, RankStates)]
         try:

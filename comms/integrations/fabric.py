@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..core.checkpoint import settle
 from .pairing import register_model, repair_momentum, warn_no_state
 from .rank_states import RankStates
 
@@ -99,7 +100,9 @@ def load(fabric, path, state: dict[str, Any], *, strict: bool = True) -> dict[st
         if key in remainder:
             entry.load_state_dict(remainder.pop(key))
         elif fabric.global_rank == 0:
-            warn_no_state(path, entry.state.compressor.spec())
+            warn_no_state(path, entry.state.compressor.spec(), [entry.state])
+        else:
+            settle(entry.state)  # reported by rank 0
     optimizers = [v for v in rest.values() if hasattr(v, "param_groups")]
     for entry in ours.values():
         repair_momentum(entry.state, optimizers, str(path))

@@ -72,8 +72,10 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core.pairing import check_optimizer, take_over_momentum
-from .pairing import check_options, register_paired, repair_momentum, summary, unwrap_optimizer, warn_no_state
+from ..core.checkpoint import settle
+from ..core.pairing import check_optimizer, mark_paired, take_over_momentum
+from .pairing import (REGISTER_OPTIONS, check_options, register_paired, repair_momentum, summary,
+                      unwrap_optimizer, warn_no_state)
 from .rank_states import RankStates
 
 __all__ = ["CommpressDDPStrategy", "CHECKPOINT_KEY", "SPEC_ENV", "STRATEGY_NAME"]
@@ -86,6 +88,25 @@ SPEC_ENV = "COMMPRESS_SPEC"
 STRATEGY_NAME = "commpress_ddp"
 
 _HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
+
+
+#: the strategy's argument for a ``comms.register`` option of another name
+_ARGUMENT = {"timeout": "commpress_timeout"}
+
+
+def _default(argument: str):
+    return inspect.signature(CommpressDDPStrategy.__init__).parameters[argument].default
+
+
+def _check_ddp_kwargs(kwargs: dict) -> None:
+    """No DDP hook arguments (DDP takes one hook), nothing neither DDPStrategy nor DDP knows."""
+    for k in _HOOK_ARGS:
+        if kwargs.get(k) is not None:
+            raise ValueError(f"CommpressDDPStrategy registers its own DDP hook; {k} is not allowed")
+    unknown = sorted(set(kwargs) - _known_ddp_args())
+    if unknown:
+        raise TypeError(f"CommpressDDPStrategy got unknown argument(s) {unknown}: neither a "
+                        "commpress option nor a DDPStrategy / DistributedDataParallel argument")
 
 
 def _known_ddp_args() -> set[str]:
@@ -103,7 +124,10 @@ class CommpressDDPStrategy(DDPStrategy):
             ``None``: the ``COMMPRESS_SPEC`` environment variable.
         algorithm, momentum, momentum_masking, clip_norm, residual_bound, warmup_steps,
             error_feedback, start_iter, seed, min_compress_numel, autotune, autotune_steps,
-            check_replicas_every: as :func:`comms.register` (defaults are its defaults).
+            check_replicas_every, adam_freeze, sync_every, sync_fragments, sync_delay, outer,
+            outer_lr, outer_momentum: as :func:`comms.register` (defaults are its defaults, and
+            only what differs from them reaches it: ``adam_freeze="auto"`` is the default
+            whatever the optimizer; an int needs an Adam/AdamW that pairs).
             ``momentum=None`` takes SGD's momentum over from the optimizer.
         commpress_timeout: ``comms.register``'s ``timeout`` (seconds any commpress wait may
             last); ``None``: the process group's, i.e. this strategy's ``timeout``.
@@ -123,27 +147,22 @@ class CommpressDDPStrategy(DDPStrategy):
                  start_iter: int = 2, seed: int = 0, min_compress_numel: int = 0,
                  autotune: bool = True, autotune_steps: int = 2,
                  commpress_timeout: Optional[float] = None, check_replicas_every: Optional[int] = None,
-                 **kwargs: Any):
-        for k in _HOOK_ARGS:
-            if kwargs.get(k) is not None:
-                raise ValueError(f"CommpressDDPStrategy registers its own DDP hook; {k} is not allowed")
-        unknown = sorted(set(kwargs) - _known_ddp_args())
-        if unknown:
-            raise TypeError(f"CommpressDDPStrategy got unknown argument(s) {unknown}: neither a "
-                            "commpress option nor a DDPStrategy / DistributedDataParallel argument")
+                 adam_freeze: Union[str, int, None] = "auto", sync_every: Union[int, str, None] = None,
+                 sync_fragments: Optional[int] = None, sync_delay: Optional[int] = None,
+                 outer: Optional[str] = None, outer_lr: Optional[float] = None,
+                 outer_momentum: Optional[float] = None, **kwargs: Any):
+        named = dict(locals())
+        _check_ddp_kwargs(kwargs)
         if compressor is None:
             compressor = os.environ.get(SPEC_ENV) or None
             if compressor is None:
                 raise ValueError(f"CommpressDDPStrategy needs a compressor spec: pass "
                                  f"compressor=... or set {SPEC_ENV} (e.g. {SPEC_ENV}=topk:density=0.01)")
-        options = dict(algorithm=algorithm, momentum=momentum, momentum_masking=momentum_masking,
-                       clip_norm=clip_norm, residual_bound=residual_bound, warmup_steps=warmup_steps,
-                       error_feedback=error_feedback, start_iter=start_iter, seed=seed,
-                       min_compress_numel=min_compress_numel, autotune=autotune,
-                       autotune_steps=autotune_steps, timeout=commpress_timeout,
-                       check_replicas_every=check_replicas_every)
-        self.commpress_compressor = check_options(compressor, options).compressor
-        self.commpress_options = options
+        self.commpress_options = {o: named[_ARGUMENT.get(o, o)] for o in REGISTER_OPTIONS}
+        # what differs from register's defaults (which these are) goes to register
+        self._commpress_given = {o: v for o, v in self.commpress_options.items()
+                                 if v != _default(_ARGUMENT.get(o, o))}
+        self.commpress_compressor = check_options(compressor, self._commpress_given).compressor
         super().__init__(**kwargs)
         self.commpress_state = None
         self._commpress_pending: Optional[dict] = None
@@ -178,16 +197,19 @@ class CommpressDDPStrategy(DDPStrategy):
         state = getattr(self.model, "_commpress_state", None)
         if state is None:
             self.commpress_state = register_paired(self.model, self.commpress_compressor,
-                                                   self.optimizers, **self.commpress_options)
-            if self._commpress_pending is not None:  # restored before setup
+                                                   self.optimizers, **self._commpress_given)
+            if self._commpress_pending:  # restored before setup
                 RankStates(self.commpress_state).load_state_dict(self._commpress_pending)
-                self._commpress_pending = None
+            elif self._commpress_pending is not None:  # a checkpoint without it, reported
+                settle(self.commpress_state)
+            self._commpress_pending = None
             return
         for opt in map(unwrap_optimizer, self.optimizers):  # optimizers rebuilt on the same model
             momenta = {float(g.get("momentum", 0.0) or 0.0) for g in opt.param_groups}
             if self.commpress_options["momentum"] is None and momenta == {state.momentum}:
                 take_over_momentum(opt)  # the momentum the hook took over at registration
             check_optimizer(state, opt)
+            mark_paired(opt, state.momentum)
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
@@ -204,6 +226,10 @@ class CommpressDDPStrategy(DDPStrategy):
                 trainer = getattr(self.lightning_module, "_trainer", None)
                 warn_no_state(getattr(trainer, "ckpt_path", None) or "being restored",
                               self.commpress_compressor.spec())
+            if self.commpress_state is None:
+                self._commpress_pending = {}  # reported: settled once registered
+            else:
+                settle(self.commpress_state)
             return
         if self.commpress_state is None:
             self._commpress_pending = sd  # the hook is registered in setup, after this

@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 import warnings
 from typing import Any, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core.pairing import check_optimizer, take_over_momentum
+from ..core.checkpoint import settle
+from ..core.pairing import ADAM_FREEZE_DEFAULT, check_adam_freeze
+from ..outer.attach import SYNC_OPTIONS, check_outer_pairing, take_sync_options
+from ..outer.sync import OuterSync
 from ..ddp.registration import register
 from ..ddp.state import CompressionState
 
 __all__ = ["REGISTER_OPTIONS", "check_options", "unwrap_optimizer", "register_paired",
-           "repair_momentum", "warn_no_state", "MISSING_STATE", "summary",
+           "SeveralOptimizers", "repair_momentum", "warn_no_state", "MISSING_STATE", "summary",
            "find_ddp", "register_model"]
 
 logger = logging.getLogger(__name__)
@@ -42,7 +46,9 @@ _FRAMEWORK_OWNED = ("self", "compressor", "process_group", "communicator")
 
 def _register_options() -> tuple[str, ...]:
     """Keyword options of ``CompressionState`` (and of the options object its ``**options``
-    go to, when it has one), plus ``register``'s own ``check_replicas_every``."""
+    go to, when it has one), plus ``register``'s own (``check_replicas_every``,
+    ``adam_freeze``; its ``optimizer`` is the framework's) and the outer sync's (``sync_every``,
+    ...: :data:`comms.outer.attach.SYNC_OPTIONS`)."""
     names, var = [], False
     for n, p in inspect.signature(CompressionState.__init__).parameters.items():
         var |= p.kind is p.VAR_KEYWORD
@@ -56,7 +62,9 @@ def _register_options() -> tuple[str, ...]:
         if PipelineOptions is not None:
             names += [n for n, p in inspect.signature(PipelineOptions.__init__).parameters.items()
                       if p.kind is p.KEYWORD_ONLY and n not in names]
-    return tuple(names + ["check_replicas_every"])
+    own = [n for n, p in inspect.signature(register).parameters.items()
+           if p.kind is p.KEYWORD_ONLY and n != "optimizer" and n not in names]
+    return tuple(names + own + [n for n in SYNC_OPTIONS if n not in names + own])
 
 
 #: every option ``comms.register`` takes besides the model, spec and optimizer
@@ -80,7 +88,7 @@ def check_options(compressor, options: dict[str, Any]) -> CompressionState:
     Raises:
         TypeError: an unknown option, or an option of the wrong type (naming it).
         ValueError: a bad spec, an unknown algorithm, an algorithm the compressor's families
-            do not support, or an out-of-range option.
+            do not support, an out-of-range option, or a bad ``adam_freeze``.
     """
     unknown = sorted(set(options) - set(REGISTER_OPTIONS))
     if unknown:
@@ -89,9 +97,27 @@ def check_options(compressor, options: dict[str, Any]) -> CompressionState:
     every = options.get("check_replicas_every")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
         raise TypeError(f"check_replicas_every must be an int >= 0 or None, got {every!r}")
-    kw = {k: v for k, v in options.items() if k != "check_replicas_every"}
+    check_adam_freeze(options.get("adam_freeze", "auto"))
+    kw = {k: v for k, v in options.items() if k not in ("check_replicas_every", "adam_freeze")}
+    sync, _ = take_sync_options(kw)  # ValueError: outer-sync keywords without sync_every
+    if sync is not None:
+        _check_sync(compressor, sync, kw, options.get("adam_freeze", ADAM_FREEZE_DEFAULT))
     kw.setdefault("algorithm", "auto")  # register's default (comms.make_hook)
     return CompressionState(compressor, **kw)
+
+
+def _check_sync(compressor, sync: dict, options: dict, adam_freeze) -> None:
+    """``sync_every=H`` and its keywords as ``register`` checks them, on a probe parameter and
+    a one-rank stand-in for the communicator (nothing is sent, no hook is attached)."""
+    probe = torch.zeros(1, requires_grad=True)
+    check_outer_pairing(torch.optim.SGD([probe], lr=0.0), adam_freeze, options, ADAM_FREEZE_DEFAULT)
+    one_rank = types.SimpleNamespace(world_size=1, rank=0, backend=None)
+    OuterSync([probe.detach()], one_rank, compressor, every=sync["sync_every"],
+              fragments=sync.get("sync_fragments") or 1, delay=sync.get("sync_delay") or 0,
+              outer=sync.get("outer") or "nesterov", outer_lr=sync.get("outer_lr"),
+              outer_momentum=sync.get("outer_momentum"),
+              **{k: options[k] for k in ("error_feedback", "seed", "timeout", "residual_bound", "algorithm")
+                 if options.get(k) is not None})
 
 
 def unwrap_optimizer(optimizer):
@@ -125,9 +151,11 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
     (possibly wrapped) optimizers.
 
     One optimizer: exactly :func:`comms.register` with ``optimizer=``. None: ``register``
-    without it. Several: the hook applies one momentum to every gradient bucket, so every
-    param group of every optimizer must have the same SGD momentum (taken over from all of
-    them, each set to 0) or none; ``momentum=`` given: all must have momentum 0.
+    without it. Several: they are paired as one (:class:`SeveralOptimizers`: every one is
+    marked and watched for a resume); the hook applies one momentum to every gradient
+    bucket, so every param group of every optimizer must have the same SGD momentum (taken
+    over from all of them, each set to 0) or none; ``momentum=`` given: all must have
+    momentum 0. Adam's momentum space pairs with one optimizer only.
 
     Raises:
         ValueError: optimizers or param groups with different momenta, or with dampening or
@@ -146,13 +174,30 @@ def register_paired(ddp_model, compressor, optimizers: Sequence, **options) -> C
                              "them one SGD momentum, or pass momentum= and run them with momentum 0")
         for i, o in enumerate(opts):
             _check_heavy_ball(o, f"optimizer {i} ({type(o).__name__})")
-    state = register(ddp_model, compressor, optimizer=opts[0], **options)
-    if options.get("momentum") is None and state.momentum is not None:
-        for o in opts[1:]:  # the first was taken over by register
-            take_over_momentum(o)
-    for o in opts[1:]:
-        check_optimizer(state, o)
-    return state
+    return register(ddp_model, compressor, optimizer=SeveralOptimizers(opts), **options)
+
+
+class SeveralOptimizers(torch.optim.Optimizer):
+    """Several optimizers' param groups as one optimizer's (the same group dicts), for the
+    pairing: the momenta it reads, takes over and marks are theirs, and the hooks registered
+    on it go to each of them. It never steps itself."""
+
+    def __init__(self, optimizers: Sequence):  # no Optimizer.__init__: it would copy the groups
+        self.optimizers = list(optimizers)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self.defaults, self.state = {}, {}
+
+    def register_step_pre_hook(self, hook):
+        return [o.register_step_pre_hook(hook) for o in self.optimizers]
+
+    def register_step_post_hook(self, hook):
+        return [o.register_step_post_hook(hook) for o in self.optimizers]
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return [o.register_load_state_dict_post_hook(hook, prepend) for o in self.optimizers]
+
+    def step(self, closure=None):
+        raise RuntimeError("SeveralOptimizers pairs optimizers with the hook; step each of them")
 
 
 def repair_momentum(state: CompressionState | None, optimizers: Sequence, where: str) -> None:
@@ -171,9 +216,12 @@ def repair_momentum(state: CompressionState | None, optimizers: Sequence, where:
                            "carry over into the hook's velocity)", where, found, state.momentum)
 
 
-def warn_no_state(source, spec: str) -> None:
-    """The WARNING for a checkpoint without commpress state loaded while compressing."""
+def warn_no_state(source, spec: str, states: Sequence = ()) -> None:
+    """The WARNING for a checkpoint without commpress state loaded while compressing;
+    ``states``: the hook states it concerns, settled (their first step reports nothing more)."""
     logger.warning(MISSING_STATE, source, spec)
+    for st in states:
+        settle(st)
 
 
 def summary(state) -> dict[str, Any]:
@@ -184,7 +232,11 @@ def summary(state) -> dict[str, Any]:
     ``algorithm="auto"``: ``plan`` (the locked rule, ``None`` while tuning), ``locked``,
     ``tuning_steps``, ``tuning_cost_s``, ``tunings``.
     """
-    wire, dense = state.wire_bytes_per_step(), state.dense_bytes_per_step()
+    if hasattr(state, "wire_bytes_per_step"):
+        wire, dense = state.wire_bytes_per_step(), state.dense_bytes_per_step()
+    else:  # FSDP/HSDP: the per-module records
+        wire = sum(s.wire_bytes for s in state.stats.values())
+        dense = sum(s.dense_bytes for s in state.stats.values())
     out = {"iter": int(getattr(state, "iter", 0)), "wire_bytes": int(wire), "dense_bytes": int(dense),
            "ratio": float(dense / wire) if wire else 1.0,
            "algorithm": str(getattr(state, "algorithm", None))}

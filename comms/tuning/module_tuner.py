@@ -17,6 +17,7 @@ import logging
 import torch
 
 from ..algorithms import DENSE
+from ..core.notices import notice
 from ..transport.waits import wait
 
 __all__ = ["ModuleTuner", "COMPRESSED"]
@@ -88,9 +89,9 @@ class ModuleTuner:
         choice = COMPRESSED if comp_s < dense_s * (1.0 - self.prefer_dense) else DENSE
         self.decision[index], self.medians[index] = choice, (dense_s, comp_s)
         self.times.pop(index, None)
-        logger.info("commpress: auto locked %s for FSDP module %r: compressed call %.2f ms vs dense "
-                    "%.2f ms (median of %d each, mean over ranks); tuning took %d calls",
-                    choice, name, comp_s * 1e3, dense_s * 1e3, self.trials, self.decide_at)
+        notice(logger, "commpress: auto locked %s for FSDP module %r: compressed call %.2f ms vs "
+               "dense %.2f ms (median of %d each, mean over ranks); tuning took %d calls", choice,
+               name, comp_s * 1e3, dense_s * 1e3, self.trials, self.decide_at, rank=comm.rank)
         return choice
 
     def state_dict(self) -> dict:

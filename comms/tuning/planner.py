@@ -50,6 +50,7 @@ from ..algorithms import ALGORITHMS, DENSE, get_algorithm
 from .autotune import MODEL, Autotuner
 from ..transport.communicator import Communicator
 from .cost_model import CostModel
+from ..core.notices import notice
 from ..transport.errors import where
 from .probe import PROBE_SIZES, probe, refine
 from .plan_table import Plan, PlanRow, apply_rule, decide_row
@@ -179,7 +180,7 @@ class Planner:
         if self.tuner is None:
             return
         self.tuner.count_from = start_iter + warmup_steps
-        was_locked = self.tuner.locked
+        was_locked, was_decision, rank = self.tuner.locked, self.tuner.decision, getattr(self.comm, "rank", None)
         keys = list(dict.fromkeys(self._seen_prev + [(0, numel, dtype)]))
 
         def propose() -> list[str]:  # once per trial phase: compressed rules, best predicted first
@@ -194,10 +195,11 @@ class Planner:
 
         self.tuner.begin_step(step, now, propose, agree)
         if self.tuner.locked and not was_locked:
-            if self.comm is None or self.comm.rank == 0:
-                logger.info("commpress (step %d): %s", step, self.tuner.lock_summary())
-                logger.debug("commpress autotune trial table:\n%s", self.tuner)
+            notice(logger, "commpress (step %d): %s", step, self.tuner.lock_summary(), rank=rank)
+            logger.debug("commpress autotune trial table:\n%s", self.tuner)
             self._logged = False  # log the plan again under the locked rule
+        elif was_locked and not self.tuner.locked:  # the watchdog: the runner-up won, or a slowdown
+            notice(logger, "commpress (step %d): autotune tunes again (was %r)", step, was_decision, rank=rank)
 
     def retune(self) -> None:
         """Measure and tune again from the next step (call on every rank before the same step)."""

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 MISSING = "holds no commpress state while compression is on"
+UNLOADED = "was not loaded before the first step"
 
 
 def _run(cmd, out, timeout=180):
@@ -46,6 +47,7 @@ def test_lightning_strategy_trains_compressed_and_resumes_bitwise(tmp_path):
         assert r["iter_d"] == 4 and r["momenta_d"] == [0.9, 0.0]
     assert res[0]["params_c"] == res[1]["params_c"]
     assert MISSING in log and "restored optimizer momentum [0.9]" in log
+    assert UNLOADED not in log  # reported once, as a checkpoint without commpress state
 
 
 def test_lightning_trains_like_register_and_logs_stats(tmp_path):
@@ -87,3 +89,38 @@ def test_accelerate_trains_like_register_with_accumulation_and_resumes_bitwise(t
         assert r["resumed_iter"] == 30 and r["equal"] and r["residuals_equal"]
         assert r["plain_iter"] == 0 and r["plain_objects_back"] == 1
     assert MISSING in log
+
+
+def test_trainer_one_line_compresses_like_register_and_resumes_bitwise(tmp_path):
+    pytest.importorskip("transformers")
+    res, log = _torchrun("trainer_train.py", tmp_path)
+    for r in res:
+        for opt in ("sgd", "adamw"):
+            a = r[opt]
+            assert a["iter"] == 12 and 0 < a["wire"] < a["dense"], a  # compressed through commpress
+            assert a["files"] == ["commpress.rank0.pt", "commpress.rank1.pt"]
+            assert a["logged_steps"] == 13 and a["logged_ratio"] == a["dense"] / a["wire"]
+            assert r[opt + "_a_differs_initial"]
+            assert r[opt + "_equal_by_hand"]   # comms.register on the same Trainer loop: same bits
+            assert r[opt + "_equal_resumed"]   # resumed from checkpoint-6: same bits
+            assert r[opt + "_resumed"]["iter"] == 12
+        for run in ("sgd", "sgd_by_hand", "sgd_resumed", "plain"):
+            assert (r[run]["hook_momentum"], r[run]["opt_momentum"]) == (0.9, 0.0), run
+        assert r["adamw"]["frozen_at"] == r["adamw_resumed"]["frozen_at"] == 4
+        assert r["plain"]["iter"] == 6  # no commpress state: the hook restarted from step 0
+    assert MISSING in log and "(no commpress.rank1.pt)" in log
+    assert UNLOADED not in log  # reported once, as a checkpoint without commpress state
+    assert log.count("Adam's variance frozen after 4 dense steps") == 2  # rank 0; run and by hand
+
+
+def test_lightning_with_checkpoints_and_deterministic_trains_like_register(tmp_path):
+    pytest.importorskip("lightning")
+    pytest.importorskip("sklearn")
+    res, _ = _run([sys.executable, str(HERE / "lightning_parity.py"), str(tmp_path)], tmp_path)
+    for r in res:
+        assert r["iter"] == 72 and r["compressed"] and r["momenta"] == [0.9, 0.0]
+        assert r["checkpoint_has_state"]
+        assert abs(r["lightning"] / r["register"] - 1) < 0.1, r
+        assert r["bitwise"]  # the same arithmetic in the same order
+        assert r["register"] > r["ddp"]  # top-k 1% for 72 steps: above plain DDP's loss
+    assert res[0]["lightning"] == res[1]["lightning"]

@@ -33,6 +33,10 @@ TOPK = "topk:density=0.01"
     (dict(compressor=TOPK, start_iter=1.5), TypeError, "start_iter"),
     (dict(compressor=TOPK, commpress_timeout="soon"), ValueError, "timeout"),
     (dict(compressor=TOPK, check_replicas_every=True), TypeError, "check_replicas_every"),
+    (dict(compressor=TOPK, adam_freeze=0), ValueError, "adam_freeze must be 'auto', None or an int >= 1"),
+    (dict(compressor=TOPK, sync_fragments=2), ValueError, r"\['sync_fragments'\] configure the outer sync"),
+    (dict(compressor=TOPK, sync_every=4, sync_delay=4), ValueError, "sync_delay must be < sync_every"),
+    (dict(compressor=TOPK, sync_every=4, clip_norm=1.0), ValueError, r"\['clip_norm'\] configure per-step"),
     (dict(compressor=TOPK, momentun=0.9), TypeError, r"unknown argument\(s\) \['momentun'\]"),
     (dict(compressor=TOPK, ddp_comm_hook=print), ValueError, "ddp_comm_hook is not allowed"),
 ])
@@ -44,8 +48,11 @@ def test_strategy_refuses_bad_input_at_construction(kwargs, error, match):
 def test_strategy_takes_every_register_option_and_keeps_ddp_kwargs_apart():
     s = CommpressDDPStrategy(TOPK, algorithm="allgather", momentum=0.9, clip_norm=2.0,
                              warmup_steps=0, commpress_timeout=30, check_replicas_every=10,
-                             find_unused_parameters=True)
+                             adam_freeze=20, find_unused_parameters=True)
     assert set(s.commpress_options) == set(REGISTER_OPTIONS)
+    assert "adam_freeze" in REGISTER_OPTIONS and s.commpress_options["adam_freeze"] == 20
+    assert CommpressDDPStrategy(TOPK, sync_every=8, outer="average")._commpress_given == \
+        {"sync_every": 8, "outer": "average"}  # only what differs from register's defaults
     assert s.commpress_options["momentum"] == 0.9 and s.commpress_options["timeout"] == 30
     assert s._ddp_kwargs == {"find_unused_parameters": True}  # momentum no longer reaches DDP
 
@@ -137,6 +144,11 @@ def test_helpers_warn_on_one_process_and_name_the_fix_otherwise():
         assert any("one process" in str(x.message) for x in w)
     with pytest.raises(ValueError, match="unknown algorithm 'two-phase'"):
         acc_helper.register(one, net, TOPK, algorithm="two-phase")  # checked on one process too
+    for helper in (acc_helper, fabric_helper):  # every register option, adam_freeze included
+        with pytest.warns(UserWarning, match="one process"):
+            assert helper.register(one, net, TOPK, adam_freeze=5, check_replicas_every=3) is None
+        with pytest.raises(ValueError, match="adam_freeze"):
+            helper.register(one, net, TOPK, adam_freeze="soon")
     with pytest.raises(TypeError, match="momentum must be a number"):
         fabric_helper.register(one, net, TOPK, momentum="high")
     two = types.SimpleNamespace(num_processes=2, world_size=2, strategy=types.SimpleNamespace())

@@ -218,3 +218,79 @@ def test_only_two_phase_holds_back():
     held = sorted(name for name, alg in ALGORITHMS.items() if alg.holds_back)
     assert held == ["two_phase"], held
     assert {"allgather", "allreduce", "shared_scale", "hier_two_phase"} <= set(ALGORITHMS)
+
+
+def _build(**kw):
+    return CompressionState("topk:density=0.01", None, algorithm="allgather", **kw)
+
+
+def test_a_restored_optimizer_keeps_the_take_over_and_reports_a_state_not_loaded(caplog):
+    from comms.core.checkpoint import settle
+    from comms.core.pairing import PAIRED_KEY, give_back_momentum, pair_optimizer
+
+    opt = _sgd(momentum=0.9)
+    state, taken = pair_optimizer(opt, _build, {})
+    assert state.momentum == 0.9 and opt.param_groups[0]["momentum"] == 0.0
+    assert opt.param_groups[0][PAIRED_KEY] == 0.9
+    saved = opt.state_dict()
+    with caplog.at_level("WARNING"):
+        opt.step()  # a fresh optimizer: nothing to report
+    assert not caplog.records
+
+    for load in (False, True):  # a resumed run, its commpress state loaded or not
+        again = _sgd(momentum=0.9)
+        again.load_state_dict(saved)  # momentum 0, marked 0.9
+        resumed, _ = pair_optimizer(again, _build, {})
+        assert resumed.momentum == 0.9  # the take-over, from the mark
+        if load:
+            resumed.load_state_dict(state.state_dict())
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            again.step()
+            again.step()
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len(msgs) == (0 if load else 1), msgs
+        assert load or "was not loaded before the first step" in msgs[0]
+
+    for saved_by, warns in ((saved, 1), (_sgd(momentum=0.9).state_dict(), 0)):
+        # README's order: register, then load the optimizer (a commpress run's, or a plain run's)
+        later = _sgd(momentum=0.9)
+        kept, _ = pair_optimizer(later, _build, {})  # DDP holds the state; here the test does
+        later.load_state_dict(saved_by)
+        assert later.param_groups[0][PAIRED_KEY] == 0.9  # a plain run's groups get the mark back
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            later.step()
+        assert len(caplog.records) == warns, [r.getMessage() for r in caplog.records]
+        assert kept.momentum == 0.9
+
+    opt = _sgd(momentum=0.9)  # a registration that fails afterwards leaves nothing behind
+    _, taken = pair_optimizer(opt, _build, {})
+    give_back_momentum(opt, taken)
+    assert opt.param_groups[0]["momentum"] == 0.9 and PAIRED_KEY not in opt.param_groups[0]
+    settle(state)
+
+
+def test_a_state_saved_by_another_rank_is_refused():
+    state = _build()
+    sd = state.state_dict()
+    assert (sd["rank"], sd["world"]) == (0, 1)
+    _build().load_state_dict(sd)
+    for rank, world in ((1, 2), (0, 2)):
+        with pytest.raises(ValueError, match=f"saved by rank {rank} of {world}; this process is rank 0 of 1"):
+            _build().load_state_dict({**sd, "rank": rank, "world": world})
+    legacy = {k: v for k, v in sd.items() if k not in ("rank", "world")}
+    _build().load_state_dict(legacy)  # a checkpoint from before the stamp
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "later"])
+def test_adam_freeze_is_checked_up_front(bad):
+    from comms.integrations.pairing import check_options
+    from comms.core.pairing import check_adam_freeze
+
+    with pytest.raises(ValueError, match=f"adam_freeze must be .*got {bad!r}"):
+        check_adam_freeze(bad)
+    with pytest.raises(ValueError, match="adam_freeze"):
+        check_options("sign", {"adam_freeze": bad})
+    for good in ("auto", None, 1, 40):
+        check_adam_freeze(good)
