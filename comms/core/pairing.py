@@ -145,11 +145,7 @@ def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None, repl
 
 def check_adam_freeze(adam_freeze) -> None:
     """Raise ``ValueError`` unless ``adam_freeze`` is ``"auto"``, ``None`` or an int >= 1."""
-    if adam_freeze is None or adam_freeze == "auto":
-        return
-    if isinstance(adam_freeze, bool) or not isinstance(adam_freeze, int) or adam_freeze < 1:
-        raise ValueError(f"adam_freeze must be 'auto', None or an int >= 1 (the step the "
-                         f"variance freezes at), got {adam_freeze!r}")
+    check_freeze(adam_freeze)
 
 
 def _no_adam_pairing(state, optimizer, sparsifiers_only: bool = False) -> str | None:

@@ -33,7 +33,7 @@ TOPK = "topk:density=0.01"
     (dict(compressor=TOPK, start_iter=1.5), TypeError, "start_iter"),
     (dict(compressor=TOPK, commpress_timeout="soon"), ValueError, "timeout"),
     (dict(compressor=TOPK, check_replicas_every=True), TypeError, "check_replicas_every"),
-    (dict(compressor=TOPK, adam_freeze=0), ValueError, "adam_freeze must be 'auto', None or an int >= 1"),
+    (dict(compressor=TOPK, adam_freeze=0), ValueError, "adam_freeze must be 'auto', an int >= 1"),
     (dict(compressor=TOPK, sync_fragments=2), ValueError, r"\['sync_fragments'\] configure the outer sync"),
     (dict(compressor=TOPK, sync_every=4, sync_delay=4), ValueError, "sync_delay must be < sync_every"),
     (dict(compressor=TOPK, sync_every=4, clip_norm=1.0), ValueError, r"\['clip_norm'\] configure per-step"),
