@@ -45,7 +45,7 @@ from ..transport.waits import wait
 from .adam_policy import FREEZE_TOL, REFRESH_RATIO, VariancePolicy
 from .adam_share import EMPTY, LoopFactor, Preconditioner, Share
 from .adam_steps import frozen_step_, refresh_step_, thaw_, variance_change
-from .notices import notice
+from ..transport.notices import notice
 
 __all__ = ["FrozenVarianceAdam", "Share", "adam_family", "momentum_space", "FREEZE_TOL",
            "REFRESH_RATIO", "MODES"]

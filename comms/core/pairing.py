@@ -23,7 +23,7 @@ import torch
 from .adam import FrozenVarianceAdam, adam_family, momentum_space
 from .adam_policy import check_freeze
 from .checkpoint import owner, settle, settled
-from .notices import notice
+from ..transport.notices import notice
 from .replicas import ReplicaGuard
 
 __all__ = ["ADAM_FREEZE_DEFAULT", "take_over_momentum", "check_optimizer", "pair_optimizer",

@@ -228,8 +228,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if not buf.is_floating_point():
         raise TypeError(f"commpress: bucket {index} has dtype {buf.dtype}; gradients must be "
                         "floating point")
-    step = state.iter
-    last = bucket.is_last()
+    step, last = state.iter, bucket.is_last()
     if last:
         state.iter += 1
     if state.outer is not None:  # communicate every H steps: this rank's own gradient, unaveraged

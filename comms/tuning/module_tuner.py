@@ -17,7 +17,7 @@ import logging
 import torch
 
 from ..algorithms import DENSE
-from ..core.notices import notice
+from ..transport.notices import notice
 from ..transport.waits import wait
 
 __all__ = ["ModuleTuner", "COMPRESSED"]

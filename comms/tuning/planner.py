@@ -50,7 +50,7 @@ from ..algorithms import ALGORITHMS, DENSE, get_algorithm
 from .autotune import MODEL, Autotuner
 from ..transport.communicator import Communicator
 from .cost_model import CostModel
-from ..core.notices import notice
+from ..transport.notices import notice
 from ..transport.errors import where
 from .probe import PROBE_SIZES, probe, refine
 from .plan_table import Plan, PlanRow, apply_rule, decide_row

@@ -29,7 +29,7 @@ def test_decisions_print_once_at_the_default_log_level():
     locks = [line for line in lines if "autotune locked" in line]
     assert len(locks) == 1 and re.search(r"commpress \(step \d+\): autotune locked '\w+'", locks[0]), lines
     freezes = [line for line in lines if "variance frozen" in line]
-    assert freezes == ["commpress: Adam's variance frozen after 3 dense steps (relative change "
+    assert freezes == ["commpress: Adam's variance frozen after 3 dense steps (per-element relative change "
                        + freezes[0].split("relative change ")[1]] and "compressed from step 3" in freezes[0]
     unrestored = [line for line in lines if "was not loaded before the first step" in line]
     assert sorted(line.split(")")[0] for line in unrestored) == ["commpress (rank 0", "commpress (rank 1"]
