@@ -58,6 +58,6 @@ def machine_facts() -> str:
     with contextlib.suppress(OSError):
         load = f"{os.getloadavg()[0]:.1f}"
     # the load average says how much other work shared the cores during the run
-    return (f"{cpu_model()}, {threads_for(1)} cores, torch {torch.__version__}, Python "
+    return (f"{cpu_model()}, {threads_for(1)} cores (subnormals flushed), torch {torch.__version__}, Python "
             f"{platform.python_version()}, commit {commit()}, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"1-min load average at the end {load}")

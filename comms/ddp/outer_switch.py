@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from ..outer.attach import attach_outer
+from ..transport.notices import notice
 from ..tuning.outer_choice import choose_outer
 
 __all__ = ["maybe_switch_to_outer"]
@@ -51,7 +52,8 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
     algorithm = sync.pop("algorithm")
     if algorithm is not None:
         options["algorithm"] = algorithm
-    state.outer = attach_outer(params, state.comm(), state.compressor, opt, sync, check_every, options)
-    logger.warning("commpress: auto communicates every %d steps from step %d: %s", sync["sync_every"],
-                   state.iter, why)
+    comm = state.comm()
+    state.outer = attach_outer(params, comm, state.compressor, opt, sync, check_every, options)
+    notice(logger, "commpress: auto communicates every %d steps from step %d: %s", sync["sync_every"],
+           state.iter, why, rank=comm.rank)
     return True

@@ -83,8 +83,9 @@ def test_hsdp_synced_shards_bitwise_at_every_sync_over_500_steps():
 @pytest.mark.timeout(300)
 def test_auto_switches_to_the_outer_sync_at_a_step_boundary():
     res = spawn(R.auto_switch, 2, 60, timeout=240)
-    for r in res:
+    for rank, r in enumerate(res):
         assert r["taken"] == 0.0 and r["momentum"] == 0.9  # SGD's momentum back with the optimizer
         assert r["switched"] and min(r["syncs"]) >= 5, r
-        assert len(r["lines"]) == 1 and "forced by the test" in r["lines"][0], r["lines"]
+        # one WARNING line for the run: rank 0 says it, the others switch silently
+        assert len(r["lines"]) == (rank == 0) and all("forced by the test" in m for m in r["lines"]), r
     assert res[0]["anchors"] == res[1]["anchors"]
