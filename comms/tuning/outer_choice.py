@@ -20,7 +20,7 @@ import math
 
 from ..algorithms import DENSE
 
-__all__ = ["choose_outer", "EXPOSED", "MARGIN", "MIN_EVERY"]
+__all__ = ["choose_outer", "EXPOSED", "MARGIN", "MIN_EVERY", "NOT_FOR_OUTER"]
 
 #: the per-step plan's step above the compute floor that counts as exposed communication
 EXPOSED = 0.15
@@ -29,11 +29,18 @@ MARGIN = 0.10
 #: the smallest H: at 4 and 8 the equal-step loss was worse than at 16 (docs/design-notes.md,
 #: "Outer sync")
 MIN_EVERY = 16
+#: compressors auto never moves to the outer sync, and why: a rank-1 pseudo-gradient of a whole
+#: H-step move loses what per-step PowerSGD's error feedback recovers step by step (25M MLP,
+#: SGD, 1 Gb/s: auto's switch ended at 99.5x dense's loss, per-step PowerSGD reached it)
+NOT_FOR_OUTER = {"powersgd": "PowerSGD's low-rank pseudo-gradients diverged under the outer sync "
+                             "(docs/design-notes.md, \"Outer sync\")"}
 
 
 def choose_outer(planner, compressor, numel: int, dtype) -> tuple[dict | None, str]:
     """``(sync keywords, reason)`` — ``None`` and why not, when per-step compression stays."""
     tuner, model = planner.tuner, planner.model
+    if getattr(compressor, "name", None) in NOT_FOR_OUTER:
+        return None, NOT_FOR_OUTER[compressor.name]
     if tuner is None or not tuner.locked or model is None or not tuner.table:
         return None, "no locked per-step plan or no cost model"
     med = {r: s for r, s, _ in tuner.table}

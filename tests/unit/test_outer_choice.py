@@ -35,6 +35,13 @@ def test_a_slow_link_moves_to_the_outer_sync_that_hides_its_transfer():
     assert "every" in why and "fragments" in why
 
 
+def test_powersgd_keeps_compressing_every_step_on_a_slow_link():
+    # the slow link that moves qsgd to the outer sync leaves PowerSGD per step, saying why
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allreduce", 0.3, 6)], decision="allreduce")
+    sync, why = choose_outer(p, compressors.from_spec("powersgd:rank=1"), 25_000_000, torch.float32)
+    assert sync is None and "PowerSGD" in why and "diverged" in why
+
+
 def test_a_fast_link_keeps_compressing_every_step():
     numel = 25_000_000
     p = _Planner(1.25e10, [("dense", 0.12, 6), ("allgather", 0.11, 6)])
