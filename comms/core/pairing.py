@@ -143,9 +143,8 @@ def adam_pairing(state, optimizer, adam_freeze, comm_fn=None, iter_fn=None, repl
     return adam
 
 
-def check_adam_freeze(adam_freeze) -> None:
-    """Raise ``ValueError`` unless ``adam_freeze`` is ``"auto"``, ``None`` or an int >= 1."""
-    check_freeze(adam_freeze)
+#: raises ``ValueError`` unless ``adam_freeze`` is ``"auto"``, ``None`` or an int >= 1
+check_adam_freeze = check_freeze
 
 
 def _no_adam_pairing(state, optimizer, sparsifiers_only: bool = False) -> str | None:
