@@ -21,7 +21,9 @@ link) and the rows are: the no-comm floor; flat 1-D FSDP2 over every rank, dense
 shard=K)`` mesh, dense and with the mixed-precision policies; ours: 1-D FSDP over the host's
 shard group plus our compressed all-reduce across the replicate group; native HSDP again
 (drift). ``link_bytes``: what one rank sends over the slow link per step in the gradient sync
-(HSDP rows); ``raw_ms`` there: ``K x link_bytes x 8 / rate``.
+(HSDP rows); ``raw_ms`` there: ``K x link_bytes x 8 / rate``. ``outer [...]`` rows: ours with
+the outer sync across the replicate group (``sync_every=H``: no gradient collective between
+hosts on inner steps; :mod:`comms.outer`), hand-picked, their step the mean over the timed steps.
 
 Usage::
 
@@ -65,6 +67,9 @@ DEFAULT_SPECS = ("qsgd:bits=4,sign,topk:density=0.01,fp16,"
 DEFAULT_HSDP_SPECS = "fp16,qsgd:bits=4,sign,topk:density=0.01,qsgd:bits=8@two_phase,sign@allgather"
 # ... and on the flat 4-rank FSDP over every rank
 DEFAULT_FLAT_SPECS = "qsgd:bits=4,sign"
+# ... and the outer sync across the replicate group (every H steps; hand-picked): "spec@key=value,..."
+DEFAULT_HSDP_OUTER = ("qsgd:bits=4@sync_every=16,sync_fragments=4,sync_delay=3",
+                      "sign@sync_every=16,sync_fragments=4,sync_delay=3")
 VOCAB, SEQ = 128, 64
 
 
@@ -142,6 +147,18 @@ def _split(spec: str):
     return name, kw
 
 
+def _split_outer(item: str):
+    """``"spec@sync_every=16,sync_fragments=4,..."`` -> (spec, the outer sync's register keywords)."""
+    from compressors.registry import _parse_value
+
+    spec, _, kv = item.partition("@")
+    return spec, {k.strip(): _parse_value(v) for k, _, v in (p.partition("=") for p in kv.split(",") if p)}
+
+
+def _outer_label(spec: str, sync: dict) -> str:
+    return f"{spec} outer [" + ", ".join(f"{k}={v}" for k, v in sync.items()) + "]"
+
+
 def _label(spec: str) -> str:
     name, kw = _split(spec)
     if not kw:
@@ -187,15 +204,18 @@ class Row:
     when this row is a dense HSDP row (else from our stats)."""
 
     def __init__(self, name, args, rank, world, mesh, spec=None, local=False, replicate_group=None,
-                 mp=None, dense_link=None):
+                 mp=None, dense_link=None, sync=None):
         self.name, self.args, self.rank, self.local = name, args, rank, local
         self.mesh, self.replicate_group, self.mp, self.dense_link = mesh, replicate_group, mp, dense_link
         self.model = _model(args, None if local else mesh, mp)
         self.state = None
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.sync = sync  # the outer sync's keywords: the step is the mean over whole periods
         if spec:
             name_, kw = _split(spec)
+            if sync:
+                kw.update(sync, optimizer=self.opt)
             self.state = comms.fsdp.register(self.model, name_, replicate_group=replicate_group, **kw)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.times, self.loss, self.steps = [], None, 0
         self.world = world
 
@@ -231,7 +251,8 @@ class Row:
         return grad, par
 
     def result(self) -> dict:
-        ms = torch.tensor([statistics.median(self.times) * 1e3])
+        # an outer-sync row sends at some steps only: its mean over the timed steps (whole periods)
+        ms = torch.tensor([(statistics.fmean if self.sync else statistics.median)(self.times) * 1e3])
         if not self.local:
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
         link, codec, gather_codec, params = self.dense_link, None, None, None
@@ -247,22 +268,27 @@ class Row:
                 wire, params = grad + par, par
         else:
             st = self.state
-            grad = sum(s.wire_bytes for s in st.stats.values())  # each module's last call: one a step
+            outer = getattr(st, "outer", None)
+            if outer is not None:  # one round of fragments every H steps, spread over its steps
+                grad = outer.state.wire_bytes_per_step() // outer.schedule.every
+            else:
+                grad = sum(s.wire_bytes for s in st.stats.values())  # each module's last call: one a step
             par = sum(g.wire_bytes - self.mark.get(i, (0, 0))[0] for i, g in st.gather_stats.items()) // n
             gather_codec = sum(g.codec_s - self.mark.get(i, (0, 0))[1]
                                for i, g in st.gather_stats.items()) * 1e3 / n
-            res = st.residual_bytes()
+            res = st.residual_bytes() if outer is None else outer.state.residual_bytes()
             if self.replicate_group is not None:
                 link, wire = grad, grad
             else:
                 if not st.gather_stats:
                     par = self._dense_bytes()[1]
                 wire, params = grad + par, par
-            dist.barrier()
-            group = self.replicate_group if self.replicate_group is not None else self.mesh.get_group()
-            c = torch.tensor([_codec_ms(st, group) + (gather_codec or 0.0)])
-            dist.all_reduce(c, op=dist.ReduceOp.MAX)
-            codec = c.item()
+            if outer is None:  # the outer sync's codec runs inside its overlapped sends
+                dist.barrier()
+                group = self.replicate_group if self.replicate_group is not None else self.mesh.get_group()
+                c = torch.tensor([_codec_ms(st, group) + (gather_codec or 0.0)])
+                dist.all_reduce(c, op=dist.ReduceOp.MAX)
+                codec = c.item()
         return {"config": self.name, "step_ms": ms.item(), "wire_bytes": wire, "param_bytes": params,
                 "link_bytes": link, "codec_ms": codec, "ef_bytes": res, "loss": self.loss.item(),
                 "decisions": None if self.state is None else _decisions(self.state)}
@@ -271,6 +297,8 @@ class Row:
 def _decisions(state) -> str | None:
     """``auto``'s per-module routes, short: ``g`` gradient compressed / ``d`` dense, then
     ``8`` int8 / ``f`` full parameters (``-``: not tuned)."""
+    if getattr(state, "outer", None) is not None:
+        return f"outer H{state.outer.schedule.every}"
     if state.tuner is None and state.gather_tuner is None:
         return None
     out = []
@@ -328,6 +356,10 @@ def _rows_hsdp(args, rank, world):
              for name, mp in _torch_mp().items()]
     rows += [Row(f"HSDP ours {_label(s)}", args, rank, world, mesh["shard"], spec=s, replicate_group=rg)
              for s in args.hsdp_specs.split(",") if s]
+    for item in args.hsdp_outer:
+        spec, sync = _split_outer(item)
+        rows.append(Row(f"HSDP ours {_outer_label(spec, sync)}", args, rank, world, mesh["shard"], spec=spec,
+                        replicate_group=rg, sync=sync))
     rows.append(Row("HSDP dense (again)", args, rank, world, mesh, dense_link=dense_link))
     out = _run_rows(args, rows)
     dense = next(r for r in out if r["config"] == "HSDP dense (torch native)")
@@ -402,7 +434,8 @@ def rank_main(rank: int, world: int, args):
               f"Machine: {machine.machine_facts()}. Load at the end of the run: `{load}`.",
               f"Model {numel} parameters (width {args.width}, depth {args.depth}), batch {args.batch} x "
               f"{SEQ} tokens per rank, AdamW; median of {args.steps} steps after {args.warmup} warm-up "
-              "steps, max over ranks, the rows interleaved step by step; speedup = the dense row's "
+              "steps (`outer [...]` rows: the mean, as they send on some steps only; give a "
+              "multiple of sync_every), max over ranks, the rows interleaved step by step; speedup = the dense row's "
               "step_ms / this row's, x_floor = this row's / the no-comm floor's, in this run. "
               "`(default)`: `comms.fsdp.register(model, spec)` with every default (algorithm and "
               "params `auto`); `[...]`: hand-picked settings. wire_bytes: what one rank sends per "
@@ -451,11 +484,16 @@ def main(argv=None):
                    help="ranks per (netsim) host; > 1: the HSDP run (mesh replicate=hosts x shard=per-host)")
     p.add_argument("--hsdp-specs", default=DEFAULT_HSDP_SPECS, help="HSDP run: ours, 'spec@algorithm'")
     p.add_argument("--flat-specs", default=DEFAULT_FLAT_SPECS, help="HSDP run: ours on flat FSDP2")
+    p.add_argument("--hsdp-outer", action="append", default=None, metavar="SPEC@KEY=VALUE,...",
+                   help="HSDP run: ours with the outer sync across the replicate group, e.g. "
+                        "'qsgd:bits=4@sync_every=16,sync_fragments=4,sync_delay=3' (repeatable; "
+                        "default: qsgd:bits=4 and sign at H 16, 4 fragments, delay 3; 'none': no such row)")
     p.add_argument("--profile-rows", type=int, default=30, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.hsdp_outer = [o for o in (args.hsdp_outer or DEFAULT_HSDP_OUTER) if o != "none"]
     if args.per_host > 1 and args.netsim and args.rank is None:
         from harness.locks import BENCH_LOCK, file_lock
 

@@ -135,6 +135,9 @@ def test_fsdp_step_smoke(tmp_path):
     assert dense_grad // 2 <= grad <= dense_grad // 2 + 8, (grad, dense_grad)
     assert int(ours["param_bytes"]) < 0.3 * int(dense["param_bytes"]), (ours, dense)
     assert float(ours["codec_ms"]) > 0
+    # the outer sync every step: 8-bit pseudo-gradients across the hosts, under fp16's bytes
+    outer = rows["HSDP ours qsgd:bits=8 outer [sync_every=1]"]
+    assert 0 < int(outer["link_bytes"]) < dense_link // 2 and outer["decisions"] == "outer H1", out[-3000:]
 
 
 @pytest.mark.timeout(400)
@@ -143,7 +146,8 @@ def test_fsdp_step_hsdp_smoke(tmp_path):
     # policies) and our compressed replicate all-reduce, with the codec column
     out = _run(["bench/fsdp_step.py", "-n", "4", "--per-host", "2", "--no-lock", "--width", "64",
                 "--depth", "1", "--steps", "1", "--warmup", "1", "--flat-specs", "fp16@scatter_reduce",
-                "--hsdp-specs", "fp16@allreduce", "--out", str(tmp_path / "hsdp")], timeout=380)
+                "--hsdp-specs", "fp16@allreduce", "--hsdp-outer", "qsgd:bits=8@sync_every=1",
+                "--out", str(tmp_path / "hsdp")], timeout=380)
     rows = _md_table(str(tmp_path / "hsdp") + ".md")
     for name in ("flat FSDP2 4 ranks dense", "flat FSDP2 ours fp16 [algorithm=scatter_reduce]",
                  "HSDP dense (torch native)", "HSDP torch bf16 grads", "HSDP torch bf16 params+grads",
