@@ -8,7 +8,8 @@ taken seconds apart; ``--interleave 0`` measures them one after another as earli
 
 For each compressor spec: ``dense`` (DDP's own allreduce), ``auto(<spec>)`` and
 ``<spec>@<alg>`` for every flat algorithm the compressor supports (the cost model proposes, the
-autotuner measures and locks), and torch's own hooks in the same rounds (``--torch-hooks``:
+autotuner measures and locks; with ``sync_every=0``: the per-step plan, unless
+``--allow-outer``), and torch's own hooks in the same rounds (``--torch-hooks``:
 ``match``, the default, puts ``fp16_compress_hook`` beside an fp16 spec and ``powerSGD_hook`` of
 the same rank beside a PowerSGD spec; ``all`` puts torch-fp16 and torch-psgd-r1 in every group;
 ``none``). Torch's rows are never a candidate for "the best fixed algorithm". The floors of
@@ -376,6 +377,11 @@ def parser() -> argparse.ArgumentParser:
     # --interleave (from ddp_step): a round's configurations interleaved in blocks of B steps;
     # 0: one after another (the rows of earlier runs)
     # auto warms up until its tuner locked (StepRunner.warm_up): --warmup need not cover tuning
+    p.add_argument("--allow-outer", action="store_true",
+                   help="let auto move to the outer sync after it locked (the default path); "
+                        "without it auto's rows keep compressing every step (sync_every=0): this "
+                        "bench judges the per-step plan against the pinned ones, and the move to "
+                        "the outer sync is judged by time to quality (bench/convergence.py)")
     p.set_defaults(warmup=6, steps=16, codec=False, interleave=4)
     return p
 
@@ -383,6 +389,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    args.auto_hook_kwargs = {} if args.allow_outer else {"sync_every": 0}
     return launching.launch_recorded(os.path.abspath(__file__), rank_main, args, argv)
 
 

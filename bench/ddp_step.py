@@ -205,8 +205,9 @@ class StepRunner:
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-3, momentum=0.9)
         # our hooks take SGD's momentum over (momentum correction): the default way
         pairing = pairing or getattr(args, "pairing", "optimizer")
+        extra = getattr(args, "auto_hook_kwargs", {}) if cfg.algorithm == "auto" else {}
         self.state = hooks.attach_hook(self.ddp, cfg, start_iter=args.start_iter,
-                                       optimizer=self.opt if pairing == "optimizer" else None)
+                                       optimizer=self.opt if pairing == "optimizer" else None, **extra)
         self.tuner = getattr(getattr(self.state, "planner", None), "tuner", None)
         self.i = 0
         self.loss = torch.zeros(())
@@ -265,6 +266,8 @@ class StepRunner:
         here: a step is as slow as its slowest rank). Collective: every rank calls it."""
         args, world, cfg, tuner = self.args, self.world, self.cfg, self.tuner
         step_ms, p90_ms, per_step = _max_over_ranks_ms(times)
+        if getattr(self.state, "outer", None) is not None:  # sends on some steps only: the mean
+            step_ms = statistics.fmean(per_step)
         params = [p for p in self.model.parameters() if p.requires_grad]
         wire_b = wire.config_wire_bytes(cfg, self.state, params, world)
         sizes = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))
@@ -486,7 +489,8 @@ def rank_main(rank: int, world: int, args) -> list[dict] | None:
               "```", args.command, "```", "",
               f"Machine: {meta['machine']}. Model {numel} parameters, batch {args.batch} per rank, "
               f"bucket_cap_mb={args.bucket_cap_mb} (torch's powerSGD_hook always gets one bucket: it "
-              f"fails on gloo with more), median of {args.steps} steps after warm-up; step time is the max over "
+              f"fails on gloo with more), median of {args.steps} steps after warm-up (a row using the outer sync: the mean, "
+              "as it sends on some steps only); step time is the max over "
               "ranks; wire bytes are what each rank sends per step (ring allreduce counts "
               "2(n-1)/n of the buffer).", "",
               "Rows `default(...)` are `comms.register(ddp, spec)` with every default "

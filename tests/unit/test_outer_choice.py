@@ -6,7 +6,7 @@ import torch
 
 import compressors
 from comms.tuning.cost_model import CostModel, TierCost
-from comms.tuning.outer_choice import MIN_EVERY, choose_outer
+from comms.tuning.outer_choice import MIN_EVERY, OUTER_STEPS, choose_outer
 
 
 class _Tuner:
@@ -25,14 +25,25 @@ class _Planner:
 
 def test_a_slow_link_moves_to_the_outer_sync_that_hides_its_transfer():
     # 25M parameters at 125 MB/s: a dense step's link time is most of its 0.9 s; the per-step
-    # plan still steps 0.3 s, well above the compute left
+    # plan still steps 0.4 s, more than twice the compute left
     numel = 25_000_000
-    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.3, 6)])
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.4, 6)])
     sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=8"), numel, torch.float32)
     assert sync is not None, why
     every, frags, delay = sync["sync_every"], sync["sync_fragments"], sync["sync_delay"]
     assert every >= MIN_EVERY and every % frags == 0 and 0 <= delay < every // frags
     assert "every" in why and "fragments" in why
+
+
+def test_a_faster_step_that_costs_more_steps_than_it_saves_keeps_compressing():
+    # the outer step would be faster than the per-step plan's, but not by the extra steps the
+    # outer sync needs to reach the same loss: time to quality decides, so per step stays
+    numel = 25_000_000
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.26, 6)])
+    compute = 0.9 - p.model.dense(numel, torch.float32)
+    assert 0.26 > 1.15 * max(compute, 0.18)  # exposed: the first rule alone would switch
+    sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=8"), numel, torch.float32)
+    assert sync is None and f"{OUTER_STEPS:g}x steps" in why, why
 
 
 def test_powersgd_keeps_compressing_every_step_on_a_slow_link():
