@@ -68,8 +68,8 @@ DEFAULT_HSDP_SPECS = "fp16,qsgd:bits=4,sign,topk:density=0.01,qsgd:bits=8@two_ph
 # ... and on the flat 4-rank FSDP over every rank
 DEFAULT_FLAT_SPECS = "qsgd:bits=4,sign"
 # ... and the outer sync across the replicate group (every H steps; hand-picked): "spec@key=value,..."
-DEFAULT_HSDP_OUTER = ("qsgd:bits=4@sync_every=16,sync_fragments=4,sync_delay=3",
-                      "sign@sync_every=16,sync_fragments=4,sync_delay=3")
+DEFAULT_HSDP_OUTER = ("qsgd:bits=4@sync_every=4,sync_fragments=2,sync_delay=1",
+                      "sign@sync_every=4,sync_fragments=2,sync_delay=1")
 VOCAB, SEQ = 128, 64
 
 
@@ -487,7 +487,7 @@ def main(argv=None):
     p.add_argument("--hsdp-outer", action="append", default=None, metavar="SPEC@KEY=VALUE,...",
                    help="HSDP run: ours with the outer sync across the replicate group, e.g. "
                         "'qsgd:bits=4@sync_every=16,sync_fragments=4,sync_delay=3' (repeatable; "
-                        "default: qsgd:bits=4 and sign at H 16, 4 fragments, delay 3; 'none': no such row)")
+                        "default: qsgd:bits=4 and sign at H 4, 2 fragments, delay 1; 'none': no such row)")
     p.add_argument("--profile-rows", type=int, default=30, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)

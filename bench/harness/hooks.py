@@ -74,9 +74,9 @@ DEFAULT_SPECS = ("qsgd:bits=8", "qsgd:bits=4", "topk:density=0.01", "sign", "ran
 
 # the outer sync (communicate every H steps): spec, then register's sync keywords; hand-picked
 OUTER = (
-    ("qsgd:bits=4", dict(sync_every=16, sync_fragments=4, sync_delay=3)),
-    ("qsgd:bits=8", dict(sync_every=16, sync_fragments=4, sync_delay=3)),
-    ("sign", dict(sync_every=16, sync_fragments=4, sync_delay=3)),
+    ("qsgd:bits=4", dict(sync_every=4, sync_fragments=2, sync_delay=1)),
+    ("qsgd:bits=8", dict(sync_every=4, sync_fragments=2, sync_delay=1)),
+    ("sign", dict(sync_every=4, sync_fragments=2, sync_delay=1)),
 )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from ..outer.attach import attach_outer
+from ..outer.optimizers import is_adaptive
 from ..transport.notices import notice
 from ..tuning.outer_choice import choose_outer
 
@@ -34,7 +35,7 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
     if tuner is None or not tuner.locked:
         return False
     state.auto_outer = None  # decided
-    sync, why = choose_outer(state.planner, state.compressor, numel, dtype)
+    sync, why = choose_outer(state.planner, state.compressor, numel, dtype, adaptive=is_adaptive(auto[0]))
     if sync is None:
         logger.info("commpress: auto keeps compressing every step: %s", why)
         return False

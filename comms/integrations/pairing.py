@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..core.checkpoint import settle
 from ..core.pairing import ADAM_FREEZE_DEFAULT, check_adam_freeze
 from ..outer.attach import SYNC_OPTIONS, check_outer_pairing, take_sync_options
+from ..outer.optimizers import default_outer
 from ..outer.sync import OuterSync
 from ..ddp.registration import register
 from ..ddp.state import CompressionState
@@ -114,7 +115,7 @@ def _check_sync(compressor, sync: dict, options: dict, adam_freeze) -> None:
     one_rank = types.SimpleNamespace(world_size=1, rank=0, backend=None)
     OuterSync([probe.detach()], one_rank, compressor, every=sync["sync_every"],
               fragments=sync.get("sync_fragments") or 1, delay=sync.get("sync_delay") or 0,
-              outer=sync.get("outer") or "nesterov", outer_lr=sync.get("outer_lr"),
+              outer=sync.get("outer") or default_outer(sync.get("outer_momentum")), outer_lr=sync.get("outer_lr"),
               outer_momentum=sync.get("outer_momentum"),
               **{k: options[k] for k in ("error_feedback", "seed", "timeout", "residual_bound", "algorithm")
                  if options.get(k) is not None})

@@ -3,6 +3,7 @@ optimizer's step post-hook it runs from (``register(..., sync_every=H)``: DDP an
 
 from __future__ import annotations
 
+from .optimizers import default_outer
 from .sync import OuterSync
 
 __all__ = ["SYNC_OPTIONS", "take_sync_options", "check_outer_pairing", "attach_outer"]
@@ -52,7 +53,7 @@ def attach_outer(params, comm, compressor, optimizer, sync: dict, check_every, o
     """An :class:`OuterSync` over ``params`` on ``comm``, run after every step of ``optimizer``."""
     outer = OuterSync(params, comm, compressor, every=sync["sync_every"],
                       fragments=sync.get("sync_fragments") or 1, delay=sync.get("sync_delay") or 0,
-                      outer=sync.get("outer") or "nesterov", outer_lr=sync.get("outer_lr"),
+                      outer=sync.get("outer") or default_outer(sync.get("outer_momentum")), outer_lr=sync.get("outer_lr"),
                       outer_momentum=sync.get("outer_momentum"), check_every=check_every or None,
                       **{k: options[k] for k in _PSEUDO if options.get(k) is not None})
     outer.hook_handle = optimizer.register_step_post_hook(outer.after_step)

@@ -96,7 +96,7 @@ class OuterSync:
     """
 
     def __init__(self, params, comm, compressor, *, every: int, fragments: int = 1, delay: int = 0,
-                 outer: str = "nesterov", outer_lr=None, outer_momentum=None, algorithm: str | None = None,
+                 outer: str = "average", outer_lr=None, outer_momentum=None, algorithm: str | None = None,
                  check_every: int | None = None, **options):
         every = _int("sync_every", every, 1)
         fragments, delay = _int("sync_fragments", fragments, 1), _int("sync_delay", delay, 0)

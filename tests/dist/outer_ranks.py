@@ -162,7 +162,7 @@ def auto_switch(rank, world, n_steps):
             lines.append(record.getMessage())
 
     logging.getLogger("comms").addHandler(Grab(level=logging.WARNING))
-    switch.choose_outer = lambda planner, c, n, dt: (
+    switch.choose_outer = lambda planner, c, n, dt, adaptive=False: (
         {"sync_every": 4, "sync_fragments": 2, "sync_delay": 1, "algorithm": "allgather"}, "forced by the test")
     torch.manual_seed(0)
     model = DDP(make_model())

@@ -27,8 +27,9 @@ def test_synced_parameters_bitwise_at_every_sync_over_500_steps(spec, kw):
 
 @pytest.mark.timeout(300)
 def test_resume_mid_period_is_bitwise(tmp_path):
-    # H 8, 2 fragments, 3 steps overlapped: at step 13 fragment 1 (sent after step 12) is in flight
-    kw = dict(sync_every=8, sync_fragments=2, sync_delay=3)
+    # H 8, 2 fragments, 3 steps overlapped: at step 13 fragment 1 (sent after step 12) is in
+    # flight; outer momentum is part of what resumes
+    kw = dict(sync_every=8, sync_fragments=2, sync_delay=3, outer="nesterov")
     for r in spawn(R.resume_mid_period, 2, "sign", str(tmp_path), 30, 13, kw, timeout=240):
         assert r["in_flight"] == [1]
         assert torch.equal(r["straight"], r["resumed"])

@@ -66,3 +66,21 @@ def test_nothing_locked_decides_nothing():
     assert choose_outer(p, compressors.from_spec("sign"), 1000, torch.float32)[0] is None
     p.tuner.locked, p.tuner.table = True, [("dense", math.nan, 0), ("allgather", 0.2, 6)]
     assert choose_outer(p, compressors.from_spec("sign"), 1000, torch.float32)[0] is None
+
+
+def test_small_h_takes_two_fragments_that_each_overlap_a_step():
+    # a transfer shorter than a step: H is the smallest, 2 fragments, each overlapping one step
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.4, 6)])
+    sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), 25_000_000, torch.float32)
+    assert sync is not None, why
+    assert (sync["sync_every"], sync["sync_fragments"], sync["sync_delay"]) == (MIN_EVERY, 2, 1), sync
+
+
+def test_adam_family_needs_fewer_extra_steps_so_switches_sooner():
+    # a per-step plan between the two thresholds: SGD keeps it, Adam's family moves
+    numel = 25_000_000
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.27, 6)])
+    sgd, why_sgd = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)
+    adam, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32, adaptive=True)
+    assert sgd is None and f"{OUTER_STEPS:g}x steps" in why_sgd, why_sgd
+    assert adam is not None, why
