@@ -84,3 +84,15 @@ def test_adam_family_needs_fewer_extra_steps_so_switches_sooner():
     adam, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32, adaptive=True)
     assert sgd is None and f"{OUTER_STEPS:g}x steps" in why_sgd, why_sgd
     assert adam is not None, why
+
+
+def test_the_outer_syncs_own_passes_count_against_it():
+    # the same plan table: with free local passes the outer sync wins; at the probed cost of a
+    # pass on a slow-memory CPU (1.33 ns per element) its passes over 25M parameters every 4
+    # steps eat the win
+    numel = 25_000_000
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.37, 6)])
+    assert choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)[0] is not None
+    p.model.mem_per_element = 1.33e-9
+    sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)
+    assert sync is None and "steps it needs" in why, why
