@@ -96,3 +96,10 @@ def test_the_outer_syncs_own_passes_count_against_it():
     p.model.mem_per_element = 1.33e-9
     sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)
     assert sync is None and "steps it needs" in why, why
+
+
+def test_a_dense_lock_stays_dense():
+    # the tuner locked dense (compression lost per step): a slow-looking table still keeps it
+    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.95, 6)], decision="dense")
+    sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), 25_000_000, torch.float32)
+    assert sync is None and "per-step plan is dense" in why, why
