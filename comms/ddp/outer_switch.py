@@ -7,7 +7,8 @@ parameters then hold the same bits on every rank (every step so far was averaged
 are the outer sync's first synced parameters. What per-step compression kept is given back:
 SGD's momentum returns to the optimizer (it trains locally now), Adam's momentum-space pairing
 is removed, the per-step residuals and velocities are dropped; the replica check moves to the
-synced parameters. From that bucket on every gradient stays local.
+synced parameters. From that bucket on every gradient stays local, and from the next backward
+DDP's reducer is off (:func:`skip_reducer`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,19 @@ from ..outer.optimizers import is_adaptive
 from ..transport.notices import notice
 from ..tuning.outer_choice import choose_outer
 
-__all__ = ["maybe_switch_to_outer"]
+__all__ = ["maybe_switch_to_outer", "skip_reducer"]
 
 logger = logging.getLogger(__name__)
+
+
+def skip_reducer(ddp_model) -> None:
+    """Turn DDP's reducer off for good, as inside ``no_sync()``: with the outer sync every
+    gradient stays local, and the reducer's copies into and out of its buckets cost a quarter
+    of a step on a 25M-parameter MLP (docs/design-notes.md, "Outer sync"). Gradients accumulate
+    in ``.grad`` with the same values; the hook stays registered (and keeps gradients local) for
+    code that turns the reducer back on; ``no_sync()`` restores this setting on exit."""
+    if ddp_model is not None and hasattr(ddp_model, "require_backward_grad_sync"):
+        ddp_model.require_backward_grad_sync = False
 
 
 def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
@@ -39,7 +50,7 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
     if sync is None:
         logger.info("commpress: auto keeps compressing every step: %s", why)
         return False
-    opt, params, check_every, taken = auto
+    opt, params, check_every, taken, model = auto
     if state.adam is not None:
         state.adam.remove()
         state.adam = None
@@ -55,6 +66,7 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
         options["algorithm"] = algorithm
     comm = state.comm()
     state.outer = attach_outer(params, comm, state.compressor, opt, sync, check_every, options)
+    skip_reducer(model())  # from the next backward (this one's buckets return local gradients)
     notice(logger, "commpress: auto communicates every %d steps from step %d: %s", sync["sync_every"],
            state.iter, why, rank=comm.rank)
     return True

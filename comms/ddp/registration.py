@@ -4,6 +4,7 @@ hook on a DDP model, paired with its optimizer: :mod:`comms.core.pairing`)."""
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -12,6 +13,7 @@ from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_adam_freeze
                             give_back_momentum, pair_optimizer, replica_guard)
 from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
 from .hook import compression_hook
+from .outer_switch import skip_reducer
 from .state import CompressionState
 
 __all__ = ["make_hook", "register"]
@@ -111,7 +113,7 @@ def _allow_outer(state, ddp_model, optimizer, auto_outer, check_every, taken) ->
     params = [p for p in ddp_model.module.parameters() if p.requires_grad]
     state.numel = sum(p.numel() for p in params)
     if auto_outer and state.algorithm == "auto" and optimizer is not None:
-        state.auto_outer = (optimizer, params, check_every, taken)
+        state.auto_outer = (optimizer, params, check_every, taken, weakref.ref(ddp_model))
 
 
 def _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_every, kwargs) -> CompressionState:
@@ -130,6 +132,7 @@ def _register_outer(ddp_model, compressor, optimizer, adam_freeze, sync, check_e
     except RuntimeError as exc:  # DDP refuses a second hook of any kind
         state.outer.hook_handle.remove()
         raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
+    skip_reducer(ddp_model)
     ddp_model._commpress_state = state
     return state
 

@@ -118,7 +118,12 @@ class OuterSync:
         self.groups = split_fragments([p.numel() for p in self.params], fragments)
         self.schedule.fragments = len(self.groups)
         self.outer = OuterOptimizer(outer, outer_lr, outer_momentum)
-        self.anchors = [self._flat(g).clone() for g in self.groups]
+        self.anchors = [self._flat(g) for g in self.groups]
+        # per fragment, allocated at its first send and reused: the pseudo-gradient (the engine
+        # feeds and settles it in place) and what this rank held when it was sent (tau > 0).
+        # Fresh 4-byte-per-parameter tensors every sync cost more than the passes themselves
+        # (first-touch page faults: docs/design-notes.md, "Outer sync").
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(self.groups)
         self.outer_state: list[dict] = [{} for _ in self.groups]
         self.pending: dict[int, dict] = {}
         self.t, self.syncs = 0, [0] * len(self.groups)
@@ -137,13 +142,27 @@ class OuterSync:
             if self.schedule.delay == 0:
                 self.land(p)
 
-    def _flat(self, group: list[int]) -> torch.Tensor:
-        return torch.cat([self.params[i].detach().reshape(-1) for i in group])
+    def _flat(self, group: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        parts = [self.params[i].detach().reshape(-1) for i in group]
+        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+
+    def _buffers(self, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.buffers[p] is None:
+            a = self.anchors[p]
+            self.buffers[p] = (torch.empty_like(a), torch.empty_like(a) if self.schedule.delay else None)
+        return self.buffers[p]
 
     def send(self, p: int) -> None:
         """Start fragment ``p``'s sync: its pseudo-gradient through the engine, not waited."""
-        local = self._flat(self.groups[p])
-        d = torch.sub(self.anchors[p], local)
+        d, local = self._buffers(p)
+        if local is None:  # tau = 0: the average lands now; nothing to keep
+            off = 0
+            for i in self.groups[p]:
+                n = self.params[i].numel()
+                torch.sub(self.anchors[p][off:off + n], self.params[i].detach().reshape(-1), out=d[off:off + n])
+                off += n
+        else:
+            torch.sub(self.anchors[p], self._flat(self.groups[p], out=local), out=d)
         st, comm = self.state, self.comm
         route = st.router.route(st, comm, p, self.syncs[p], d.numel(), d.dtype)
         shapes = tuple(tuple(self.params[i].shape) for i in self.groups[p])
@@ -179,7 +198,9 @@ class OuterSync:
             new = self.outer.step_(self.anchors[p], avg, self.outer_state[p])
         # the delayed update plus what this rank trained meanwhile: each parameter moves by
         # (new synced - what it held at the send), in place (no gathered copy of the parameters)
-        move = torch.sub(new, inflight["local"]) if self.schedule.delay else None
+        move = None
+        if self.schedule.delay:  # in the buffer that held the local values (no fresh tensor)
+            move = torch.sub(new, inflight["local"], out=inflight["local"])
         off = 0
         for i in self.groups[p]:
             prm, n = self.params[i], self.params[i].numel()
@@ -217,7 +238,8 @@ class OuterSync:
                 "anchors": [a.clone() for a in self.anchors],
                 "momentum": [s.get("momentum") for s in self.outer_state],
                 "memory": self.state.memory.state_dict(),
-                "pending": {int(p): {"avg": f["avg"], "local": f["local"], "land_at": int(f["land_at"])}
+                "pending": {int(p): {"avg": f["avg"].clone(), "local": f["local"].clone(),
+                                     "land_at": int(f["land_at"])}
                             for p, f in self.pending.items()}}
 
     def load_state_dict(self, sd: dict) -> None:

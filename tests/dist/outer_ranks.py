@@ -42,7 +42,8 @@ def synced_at_every_sync(rank, world, spec, n_steps, kw):
         seen.append((s, [param_fingerprint(a).tolist() for a in state.outer.anchors], list(state.outer.syncs)))
 
     _train(model, opt, rank, 0, n_steps, after)
-    return {"seen": seen, "local": flat_params(model.module), "syncs": list(state.outer.syncs)}
+    return {"seen": seen, "local": flat_params(model.module), "syncs": list(state.outer.syncs),
+            "reducer": model.require_backward_grad_sync}
 
 
 def resume_mid_period(rank, world, spec, ckpt_dir, n_steps, at, kw):
@@ -175,4 +176,4 @@ def auto_switch(rank, world, n_steps):
     return {"taken": taken, "momentum": opt.param_groups[0]["momentum"], "switched": outer is not None,
             "syncs": None if outer is None else list(outer.syncs),
             "anchors": None if outer is None else [param_fingerprint(a).tolist() for a in outer.anchors],
-            "lines": [m for m in lines if "communicates every" in m]}
+            "lines": [m for m in lines if "communicates every" in m], "reducer": model.require_backward_grad_sync}

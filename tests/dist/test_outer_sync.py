@@ -23,6 +23,7 @@ def test_synced_parameters_bitwise_at_every_sync_over_500_steps(spec, kw):
     assert a["seen"] == b["seen"]  # the anchors, after every step, the same bits on both ranks
     assert min(a["syncs"]) >= 500 // kw["sync_every"] - 1
     assert not torch.equal(a["local"], b["local"]) or kw.get("sync_delay", 0) == 0
+    assert a["reducer"] is False and b["reducer"] is False  # DDP's bucket copies off: nothing to reduce
 
 
 @pytest.mark.timeout(300)
@@ -87,6 +88,7 @@ def test_auto_switches_to_the_outer_sync_at_a_step_boundary():
     for rank, r in enumerate(res):
         assert r["taken"] == 0.0 and r["momentum"] == 0.9  # SGD's momentum back with the optimizer
         assert r["switched"] and min(r["syncs"]) >= 5, r
+        assert r["reducer"] is False  # turned off at the switch
         # one WARNING line for the run: rank 0 says it, the others switch silently
         assert len(r["lines"]) == (rank == 0) and all("forced by the test" in m for m in r["lines"]), r
     assert res[0]["anchors"] == res[1]["anchors"]
