@@ -5,8 +5,9 @@ model say how much of a step the link still costs. The compute of a step is the 
 step minus the model's dense allreduce of the same bytes. A dense lock stays dense (compression
 did not even pay per step). When the best per-step plan still
 runs more than :data:`EXPOSED` above that compute, an outer sync that hides its transfer behind
-inner steps may win: ``auto`` switches to it if its predicted step — the compute plus a round's
-codec work and its :data:`OUTER_PASSES` local passes, spread over its steps — times the extra steps the outer sync needs for the same
+inner steps may win: ``auto`` switches to it if its predicted step — the compute less DDP's
+reducer copies (:data:`REDUCER_PASSES`), plus a round's codec work and its
+:data:`OUTER_PASSES` local passes spread over its steps — times the extra steps the outer sync needs for the same
 loss (:data:`OUTER_STEPS`, :data:`OUTER_STEPS_ADAPTIVE`) beats the per-step plan by
 :data:`MARGIN`. Time to quality is the measure: a faster step that needs more steps than it
 saves is not a win.
@@ -25,7 +26,7 @@ import math
 from ..algorithms import DENSE
 
 __all__ = ["choose_outer", "EXPOSED", "MARGIN", "MIN_EVERY", "NOT_FOR_OUTER", "OUTER_PASSES",
-           "OUTER_STEPS", "OUTER_STEPS_ADAPTIVE"]
+           "OUTER_STEPS", "OUTER_STEPS_ADAPTIVE", "REDUCER_PASSES"]
 
 #: the per-step plan's step above the compute floor that counts as exposed communication
 EXPOSED = 0.15
@@ -38,10 +39,14 @@ OUTER_STEPS = 1.3
 #: the same under an adaptive inner optimizer (Adam's family): 1.0-1.07x dense's steps on the
 #: 12.7M transformer with AdamW
 OUTER_STEPS_ADAPTIVE = 1.1
-#: local passes over a round's parameters that the outer sync adds to the engine's (gathering the
-#: parameters, the pseudo-gradient, the finite check, the outer step, the local move); with
-#: the probed pass cost they predict its measured 70 ms a step on the 25M MLP at H 4
-OUTER_PASSES = 4
+#: local passes over a round's parameters that the outer sync adds to the engine's (holding the
+#: parameters, the pseudo-gradient, the finite check, the outer step, the local move, all in
+#: buffers kept from sync to sync); with the probed pass cost and :data:`REDUCER_PASSES` they
+#: predict its measured 46 ms a step over the no-communication step on the 25M MLP at H 4
+OUTER_PASSES = 1
+#: local passes per step that a DDP step pays and the outer sync does not: the reducer's copies
+#: into and out of its buckets (off while gradients stay local; 25-40 ms a step on the 25M MLP)
+REDUCER_PASSES = 1
 #: the smallest H: with the plain average the loss at equal steps rose with H (4 best of 4, 8,
 #: 16 on both tasks; docs/design-notes.md, "Outer sync")
 MIN_EVERY = 4
@@ -78,14 +83,14 @@ def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False)
     sync_s = costs[algorithm] if names else model.dense(numel, dtype)
     # what a round costs this rank beyond the link: the engine's work (the model's prediction
     # less the link) and the outer sync's own passes over the parameters
-    codec_s = (max(0.0, sync_s - model.dense(0, dtype))
-               + OUTER_PASSES * getattr(model, "mem_per_element", 0.0) * numel)
+    pass_s = getattr(model, "mem_per_element", 0.0) * numel
+    codec_s = max(0.0, sync_s - model.dense(0, dtype)) + OUTER_PASSES * pass_s
     extra = OUTER_STEPS_ADAPTIVE if adaptive else OUTER_STEPS
     every = max(MIN_EVERY, 2 * math.ceil(sync_s / compute_s))
     fragments = min(4, every // 2)
     every = fragments * math.ceil(every / fragments)
     delay = min(every // fragments - 1, math.ceil(sync_s / fragments / compute_s) + 1)
-    outer_s = compute_s + codec_s / every
+    outer_s = max(compute_s - REDUCER_PASSES * pass_s, 0.2 * dense_s) + codec_s / every
     if outer_s * extra * (1 + MARGIN) >= best_s:
         return None, (f"the outer sync's predicted step ({outer_s * 1e3:.0f} ms) times the "
                       f"{extra:g}x steps it needs is not {MARGIN:.0%} below the per-step "

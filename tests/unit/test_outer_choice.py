@@ -1,12 +1,13 @@
 """``auto``'s choice between compressing every step and the outer sync (comms.tuning.outer_choice)."""
 
 import math
+import re
 
 import torch
 
 import compressors
-from comms.tuning.cost_model import CostModel, TierCost
-from comms.tuning.outer_choice import MIN_EVERY, OUTER_STEPS, choose_outer
+from comms.tuning.cost_model import HOOK_PASSES, CostModel, TierCost
+from comms.tuning.outer_choice import MIN_EVERY, OUTER_PASSES, OUTER_STEPS, REDUCER_PASSES, choose_outer
 
 
 class _Tuner:
@@ -86,16 +87,25 @@ def test_adam_family_needs_fewer_extra_steps_so_switches_sooner():
     assert adam is not None, why
 
 
-def test_the_outer_syncs_own_passes_count_against_it():
-    # the same plan table: with free local passes the outer sync wins; at the probed cost of a
-    # pass on a slow-memory CPU (1.33 ns per element) its passes over 25M parameters every 4
-    # steps eat the win
-    numel = 25_000_000
-    p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.37, 6)])
-    assert choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)[0] is not None
-    p.model.mem_per_element = 1.33e-9
-    sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)
-    assert sync is None and "steps it needs" in why, why
+def test_local_passes_count_per_round_against_and_per_step_for_the_outer_sync():
+    # at the probed cost of a pass (1.33 ns per element) over 25M parameters: the outer sync
+    # pays OUTER_PASSES per round of fragments (spread over H steps) and saves DDP's reducer
+    # copies, REDUCER_PASSES every step (the engine's HOOK_PASSES come with the round's codec
+    # work); the predicted step moves by exactly that balance
+    numel, pass_ns = 25_000_000, 1.33
+    p = _Planner(1.25e8, [("dense", 1.2, 6), ("allgather", 0.75, 6)])
+    free, why_free = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)
+    p.model.mem_per_element = pass_ns * 1e-9
+    paid, why_paid = choose_outer(p, compressors.from_spec("qsgd:bits=4"), numel, torch.float32)
+    assert free is not None and paid is not None, (why_free, why_paid)
+    assert paid["sync_every"] == free["sync_every"]
+
+    def predicted_ms(why):
+        return float(re.search(r"predicted step (\d+) ms", why).group(1))
+
+    pass_ms = pass_ns * numel * 1e-6
+    want = ((OUTER_PASSES + HOOK_PASSES) / free["sync_every"] - REDUCER_PASSES) * pass_ms
+    assert abs(predicted_ms(why_paid) - predicted_ms(why_free) - want) <= 1.0, (why_free, why_paid)
 
 
 def test_a_dense_lock_stays_dense():
