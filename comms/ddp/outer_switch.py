@@ -48,7 +48,7 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
     state.auto_outer = None  # decided
     sync, why = choose_outer(state.planner, state.compressor, numel, dtype, adaptive=is_adaptive(auto[0]))
     if sync is None:
-        logger.info("commpress: auto keeps compressing every step: %s", why)
+        notice(logger, "commpress: auto keeps communicating every step: %s", why, rank=state.comm().rank)
         return False
     opt, params, check_every, taken, model = auto
     if state.adam is not None:

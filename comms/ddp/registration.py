@@ -12,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_adam_freeze, check_pairing,
                             give_back_momentum, pair_optimizer, replica_guard)
 from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
+from ..outer.optimizers import is_adaptive
+from ..tuning.quality_cost import prefer_dense_for
 from .hook import compression_hook
 from .outer_switch import skip_reducer
 from .state import CompressionState
@@ -92,6 +94,7 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
                                                                     ddp_model.module.named_parameters()))
     state.bind(ddp_model)
     state.replica_guard = guard
+    _quality_margin(state, optimizer)
     try:  # ValueError: an Adam layout the update cannot follow; RuntimeError: DDP has a hook
         state.adam = adam_pairing(state, optimizer, adam_freeze)
         _allow_outer(state, ddp_model, optimizer, auto_outer, check_replicas_every,
@@ -106,6 +109,14 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
         raise ValueError(f"cannot register the commpress hook ({state.compressor.spec()!r}): {exc}") from exc
     ddp_model._commpress_state = state
     return state
+
+
+def _quality_margin(state, optimizer) -> None:
+    """The step autotuner locks a compressed plan only when its step beats dense's by what the
+    compressor's extra steps to dense's loss take back (:mod:`comms.tuning.quality_cost`)."""
+    tuner = state.planner.tuner if state.planner is not None else None
+    if tuner is not None:
+        tuner.prefer_dense = prefer_dense_for(state.compressor, is_adaptive(optimizer), tuner.prefer_dense)
 
 
 def _allow_outer(state, ddp_model, optimizer, auto_outer, check_every, taken) -> None:

@@ -14,7 +14,9 @@ step) and decides when **the data decides** (:mod:`comms.tuning.autotune_rules`)
 * a rule whose every sample is slower than every dense sample is dropped — from round 2, two
   samples each at least: one slow step must not end a plan's trial (at 10 Gb/s one slow
   round-1 sample did, for a top-k plan 10% faster than dense, in 4 of 5 tunings);
-* a compressed rule *wins* when its median beats dense's by ``prefer_dense`` (3%) and by
+* a compressed rule *wins* when its median beats dense's by ``prefer_dense`` (3%; DDP's
+  ``register`` raises it to what the compressor's extra steps to dense's loss take back,
+  :mod:`comms.tuning.quality_cost`) and by
   :data:`~comms.tuning.autotune_rules.MIN_GAIN_S`, and one of three tests says the gain is real:
   every sample faster than every dense one, a rank test over all sample pairs, or the step
   ratio paired by round (a round's steps are seconds apart, so the load both saw cancels);
@@ -29,7 +31,8 @@ step) and decides when **the data decides** (:mod:`comms.tuning.autotune_rules`)
   before ``min_rounds``. On a 1 Gb/s link, where dense is 1.5-3x slower than the compressed
   plans, this halves the tuning steps;
 * **dense retires once beaten decisively**: from round 2 on, when every rule still in play
-  beats dense that way, dense runs no more trial steps (its samples still judge every rule)
+  beats dense that way (and by ``prefer_dense`` where that is larger), dense runs no more
+  trial steps (its samples still judge every rule)
   and the remaining rounds only separate the compressed plans. Those rules keep their win
   over dense: with no dense steps left to pair their later steps with, a load burst on those
   must not turn a won phase into a dense lock.
@@ -324,8 +327,9 @@ class Autotuner(DecisionRules, Watchdog):
         is still judged against them), its trial steps stop — on a slow link each one costs
         the compressed step time again, and the rounds left only separate the compressed
         plans. The rules in play then keep their win over dense for good."""
+        margin = max(self.decisive, self.prefer_dense)  # a retired dense's rules win for good
         if (not self._dense_retired and self.decisive > 0 and rounds >= 2 and keep
-                and all(beats(self._samples[r], dense, self.decisive) for r in keep)):
+                and all(beats(self._samples[r], dense, margin) for r in keep)):
             self._dense_retired = True
             self._beat_dense = set(keep)
 

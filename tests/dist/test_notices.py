@@ -28,6 +28,9 @@ def test_decisions_print_once_at_the_default_log_level():
     lines = [line for line in log.splitlines() if "commpress" in line]
     locks = [line for line in lines if "autotune locked" in line]
     assert len(locks) == 1 and re.search(r"commpress \(step \d+\): autotune locked '\w+'", locks[0]), lines
+    # after the lock, auto's choice between every step and every H steps: one line (rank 0)
+    outer = [line for line in lines if "auto keeps communicating every step" in line or "communicates every" in line]
+    assert len(outer) == 1, lines
     freezes = [line for line in lines if "variance frozen" in line]
     assert freezes == ["commpress: Adam's variance frozen after 3 dense steps (per-element relative change "
                        + freezes[0].split("relative change ")[1]] and "compressed from step 3" in freezes[0]
