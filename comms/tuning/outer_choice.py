@@ -14,7 +14,7 @@ loss (:data:`OUTER_STEPS`, :data:`OUTER_STEPS_ADAPTIVE`) beats the per-step plan
 saves is not a win.
 
 Its settings are the smallest that hide the transfer: a round of fragments (the whole model's
-pseudo-gradient, compressed by the user's spec with the cheapest algorithm the model predicts)
+pseudo-gradient, compressed by the user's spec with the algorithm the tuner locked, else the cheapest the model predicts)
 takes ``t_sync`` on the link; ``H`` covers it twice over and is at least :data:`MIN_EVERY`;
 four fragments (at most ``H / 2``) are synced in turn, each overlapping ``tau`` steps
 — its share of ``t_sync`` in steps, plus one, below the fragment's share of ``H``.
@@ -83,7 +83,10 @@ def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False)
                       f"compute ({compute_s * 1e3:.0f} ms)")
     names = [a for a in planner.candidate_names() if a != DENSE]
     costs = model.candidates(compressor, numel, dtype, names)
-    algorithm = min(names, key=lambda a: costs[a]) if names else DENSE
+    # the algorithm the tuner locked and timed, else the cheapest the model predicts (a plan
+    # of per-bucket choices, "model")
+    algorithm = (tuner.decision if tuner.decision in names
+                 else min(names, key=lambda a: costs[a]) if names else DENSE)
     sync_s = costs[algorithm] if names else model.dense(numel, dtype)
     pass_s = getattr(model, "mem_per_element", 0.0) * numel
     # what a round costs this rank's steps: the engine's encodes, decodes and passes and the
