@@ -64,10 +64,9 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
             freezes once it settles), an int (the step it freezes at), or ``None`` (compress the
             gradient). A value other than ``None`` where no Adam pairing applies (no optimizer,
             not Adam/AdamW, a compressor that keeps the gradient path) is an error.
-        **kwargs: as :func:`make_hook` (:class:`~comms.ddp.state.CompressionState`); the outer
-            sync's ``sync_every=H`` (``0``: never; default: ``auto`` may choose it),
-            ``sync_fragments``, ``sync_delay``, ``outer``, ``outer_lr``, ``outer_momentum``
-            (:mod:`comms.outer`).
+        **kwargs: as :func:`make_hook`; the outer sync's (:mod:`comms.outer`) ``sync_every=H``
+            (``0``: never; default: ``auto`` may choose it), ``sync_fragments``, ``sync_delay``,
+            ``outer``, ``outer_lr``, ``outer_momentum``.
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
