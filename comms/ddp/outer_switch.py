@@ -2,7 +2,8 @@
 steps), once, when :func:`comms.tuning.outer_choice.choose_outer` says the link still costs too
 much of a step.
 
-The switch happens at the first bucket of a step, after the autotuner locked its plan: the
+The switch happens at the first bucket of a step, when a round of the autotuner ends with a
+leader that loses to the outer sync (the tuner locks it then) or at the lock: the
 parameters then hold the same bits on every rank (every step so far was averaged), so they
 are the outer sync's first synced parameters. What per-step compression kept is given back:
 SGD's momentum returns to the optimizer (it trains locally now), Adam's momentum-space pairing
@@ -18,6 +19,7 @@ import logging
 from ..outer.attach import attach_outer
 from ..outer.optimizers import is_adaptive
 from ..transport.notices import notice
+from ..tuning.autotune_leader import leader as standing_leader, lock_leader
 from ..tuning.outer_choice import choose_outer
 
 __all__ = ["maybe_switch_to_outer", "skip_reducer"]
@@ -36,20 +38,29 @@ def skip_reducer(ddp_model) -> None:
 
 
 def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
-    """Decide once, after the per-step plan locked; switch when the outer sync wins. Returns
-    whether gradients now stay local. The same decision on every rank (agreed step times, the
-    agreed cost model)."""
+    """Weigh the tuner's leader at each round's end and its locked plan once; switch when the
+    outer sync wins (the decision is final then, or at the lock). Returns whether gradients now
+    stay local. The same decision on every rank (agreed step times, the agreed cost model)."""
     auto = state.auto_outer
     if auto is None or state.outer is not None:
         return state.outer is not None
     tuner = state.planner.tuner if state.planner is not None else None
-    if tuner is None or not tuner.locked:
+    if tuner is None:
+        return False
+    leader = None if tuner.locked else standing_leader(tuner)
+    if not tuner.locked and leader is None:
+        return False
+    sync, why = choose_outer(state.planner, state.compressor, numel, dtype,
+                             adaptive=is_adaptive(auto[0]), plan=leader)
+    if sync is None:
+        if tuner.locked:  # decided: say so once
+            state.auto_outer = None
+            notice(logger, "commpress: auto keeps communicating every step: %s", why, rank=state.comm().rank)
         return False
     state.auto_outer = None  # decided
-    sync, why = choose_outer(state.planner, state.compressor, numel, dtype, adaptive=is_adaptive(auto[0]))
-    if sync is None:
-        notice(logger, "commpress: auto keeps communicating every step: %s", why, rank=state.comm().rank)
-        return False
+    if not tuner.locked:
+        lock_leader(tuner, "the outer sync takes over")
+        notice(logger, "commpress (step %d): %s", state.iter, tuner.lock_summary(), rank=state.comm().rank)
     opt, params, check_every, taken, model = auto
     if state.adam is not None:
         state.adam.remove()

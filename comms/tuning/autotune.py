@@ -59,7 +59,8 @@ decision, drains in equal shares: no gradient mass is lost and none arrives as a
 Modules: this one holds the trial schedule (rounds, what each step runs, when to lock);
 :mod:`comms.tuning.autotune_rules` the statistics, :mod:`comms.tuning.retune_watch` the watchdog,
 :mod:`comms.tuning.step_seconds` the agreed timings, :mod:`comms.tuning.autotune_state`
-checkpointing and :mod:`comms.tuning.autotune_report` what is printed.
+checkpointing, :mod:`comms.tuning.autotune_leader` the standing plan before the lock and
+:mod:`comms.tuning.autotune_report` what is printed.
 
 Example::
 
@@ -94,6 +95,12 @@ __all__ = ["Autotuner", "check_step_seconds", "choose_rule", "DENSE", "MODEL", "
 logger = logging.getLogger(__name__)
 
 MODEL = "model"
+
+
+def medians(t) -> list[tuple[str, float, int]]:
+    """``(rule, median seconds or nan, samples)`` of every rule of ``t``'s trial phase so far."""
+    return [(r, statistics.median(t._samples[r]) if t._samples[r] else math.nan, len(t._samples[r]))
+            for r in t.trials]
 
 
 def _int_option(name: str, value, low: int) -> int:
@@ -202,6 +209,8 @@ class Autotuner(DecisionRules, Watchdog):
         self._recent: deque = deque(maxlen=8)  # locked steps before the next watchdog check
         self._check: list[tuple[int, str]] = []  # the watchdog's (step, rule) schedule
         self._locked_at: int | None = None
+        self._winners: list[str] = []  # the rules that beat dense at the last round's end
+        self._leader_round = 0  # the round whose leader comms.tuning.autotune_leader gave last
 
     # -- per step -------------------------------------------------------------------------
     def begin_step(self, step: int, now: float, propose: Callable[[], list[str]],
@@ -255,6 +264,7 @@ class Autotuner(DecisionRules, Watchdog):
         undecided = self._undecided(rounds, dense)
         winners = [r for r in self._active if r != DENSE and dense and self._samples[r]
                    and self._wins(r)]
+        self._winners = winners
         keep, undecided, early = self._keep(winners, undecided, rounds, dense)
         self._retire_dense(keep, rounds, dense)
         live = [r for r in self._active if r != DENSE and r in keep]
@@ -334,8 +344,7 @@ class Autotuner(DecisionRules, Watchdog):
             self._beat_dense = set(keep)
 
     def _lock(self, winners, why: str) -> None:
-        self.table = [(r, statistics.median(self._samples[r]) if self._samples[r] else math.nan,
-                       len(self._samples[r])) for r in self.trials]
+        self.table = medians(self)
         decision = self._pick(winners)[0] if winners else DENSE
         self.reason = (f"{self._win_reason(decision)}; {why}" if winners else
                        f"no compressed rule beat dense's median by {self.prefer_dense:.0%} and "

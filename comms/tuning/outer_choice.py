@@ -1,7 +1,11 @@
 """``choose_outer``: whether ``auto`` communicates every H steps instead of every step, and how.
 
-Once the step autotuner has locked its per-step plan, the measured steps and the probed cost
-model say how much of a step the link still costs. The compute of a step is the measured dense
+Once the step autotuner has a per-step plan — at each round's end from round 2 the rule that
+leads (it beat dense with confidence), and at the lock the locked one — the measured steps and
+the probed cost model say how much of a step the link still costs. A leader that loses to the
+outer sync ends the tuning there: the rounds left would only separate per-step plans, with
+dense's slow steps among them (on the 12.7M transformer at 1 Gb/s they cost 7.6 s of a 73 s
+run to dense's loss). The compute of a step is the measured dense
 step minus the model's dense allreduce of the same bytes. A dense lock stays dense (compression
 did not even pay per step). When the best per-step plan still
 runs more than :data:`EXPOSED` above that compute, an outer sync that hides its transfer behind
@@ -62,20 +66,26 @@ NOT_FOR_OUTER = {"powersgd": "PowerSGD's low-rank pseudo-gradients diverged unde
                              "(docs/design-notes.md, \"Outer sync\")"}
 
 
-def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False) -> tuple[dict | None, str]:
+def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False,
+                 plan: tuple[str, list] | None = None) -> tuple[dict | None, str]:
     """``(sync keywords, reason)`` — ``None`` and why not, when per-step compression stays.
-    ``adaptive``: the inner optimizer is Adam's family (:func:`comms.outer.optimizers.is_adaptive`)."""
+    ``adaptive``: the inner optimizer is Adam's family (:func:`comms.outer.optimizers.is_adaptive`).
+    ``plan``: ``(rule, table)`` of the per-step plan to weigh (the tuner's standing leader,
+    :func:`comms.tuning.autotune_leader.leader`); default: the tuner's locked plan."""
     tuner, model = planner.tuner, planner.model
     if getattr(compressor, "name", None) in NOT_FOR_OUTER:
         return None, NOT_FOR_OUTER[compressor.name]
-    if tuner is None or not tuner.locked or model is None or not tuner.table:
+    if plan is None and tuner is not None and tuner.locked:
+        plan = tuner.decision, tuner.table
+    if plan is None or model is None or not plan[1]:
         return None, "no locked per-step plan or no cost model"
-    if tuner.decision == DENSE:  # compression could not beat dense per step: the link is not
+    decision, table = plan
+    if decision == DENSE:  # compression could not beat dense per step: the link is not
         # the bottleneck the outer sync trades quality for (10 Gb/s, 25M MLP: from dense it
         # stepped 252 ms against the 196 predicted and lost to dense)
         return None, "the per-step plan is dense: the link does not cost enough to sync less often"
-    med = {r: s for r, s, _ in tuner.table}
-    dense_s, best_s = med.get(DENSE), med.get(tuner.decision)
+    med = {r: s for r, s, _ in table}
+    dense_s, best_s = med.get(DENSE), med.get(decision)
     if not dense_s or not best_s or math.isnan(dense_s) or math.isnan(best_s):
         return None, "no step times measured"
     compute_s = max(dense_s - model.dense(numel, dtype), 0.2 * dense_s)
@@ -86,7 +96,7 @@ def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False)
     costs = model.candidates(compressor, numel, dtype, names)
     # the algorithm the tuner locked and timed, else the cheapest the model predicts (a plan
     # of per-bucket choices, "model")
-    algorithm = (tuner.decision if tuner.decision in names
+    algorithm = (decision if decision in names
                  else min(names, key=lambda a: costs[a]) if names else DENSE)
     sync_s = costs[algorithm] if names else model.dense(numel, dtype)
     pass_s = getattr(model, "mem_per_element", 0.0) * numel
@@ -107,7 +117,7 @@ def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False)
                       f"({best_s * 1e3:.0f} ms)" + (f" by {MARGIN:.0%}" if MARGIN else ""))
     sync = {"sync_every": every, "sync_fragments": fragments, "sync_delay": max(0, delay),
             "algorithm": algorithm if algorithm != DENSE else None}
-    return sync, (f"the per-step plan {tuner.decision!r} steps {best_s * 1e3:.0f} ms against "
+    return sync, (f"the per-step plan {decision!r} steps {best_s * 1e3:.0f} ms against "
                   f"{compute_s * 1e3:.0f} ms of compute; a round of the model's pseudo-gradients "
                   f"takes {sync_s * 1e3:.0f} ms ({algorithm}): every {every} steps, {fragments} "
                   f"fragments, {max(0, delay)} steps overlapped, predicted step {outer_s * 1e3:.0f} ms "

@@ -148,10 +148,12 @@ def hsdp_synced_at_every_sync(rank, world, spec, n_steps, kw):
     return {"seen": seen, "shard": mesh["shard"].get_local_rank(), "syncs": list(state.outer.syncs)}
 
 
-def auto_switch(rank, world, n_steps):
+def auto_switch(rank, world, n_steps, early=False):
     """``algorithm="auto"`` with the outer sync's choice forced (loopback is fast: the real
     rule keeps compressing): the switch at a step boundary after the lock gives SGD's momentum
-    back, keeps the synced parameters equal, and says so in one WARNING line."""
+    back, keeps the synced parameters equal, and says so in one WARNING line. ``early``: fake
+    step times make the compressed rules beat dense and only a standing leader is moved (the
+    forced choice declines a locked plan): the switch ends the tuning in round 2."""
     import logging
 
     import comms.ddp.outer_switch as switch
@@ -163,17 +165,28 @@ def auto_switch(rank, world, n_steps):
             lines.append(record.getMessage())
 
     logging.getLogger("comms").addHandler(Grab(level=logging.WARNING))
-    switch.choose_outer = lambda planner, c, n, dt, adaptive=False: (
-        {"sync_every": 4, "sync_fragments": 2, "sync_delay": 1, "algorithm": "allgather"}, "forced by the test")
+    def forced(planner, c, n, dt, adaptive=False, plan=None):
+        if early and plan is None:
+            return None, "a locked plan declined by the test"
+        return {"sync_every": 4, "sync_fragments": 2, "sync_delay": 1, "algorithm": "allgather"}, "forced by the test"
+
+    switch.choose_outer = forced
     torch.manual_seed(0)
     model = DDP(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = comms.register(model, "qsgd:bits=4", optimizer=opt)
-    state.planner.tuner.max_steps = 8
+    tuner = state.planner.tuner
+    tuner.max_steps = 40 if early else 8
+    if early:  # the tiny model's buckets planned, two compressed rules timed against dense
+        state.planner.min_numel = 100
+        tuner.candidates = ["allgather", "two_phase"]
+        tuner.timing = lambda rule, s: {"dense": 2.0}.get(rule, 1.0)
     taken = opt.param_groups[0]["momentum"]
     _train(model, opt, rank, 0, n_steps)
     outer = state.outer
     return {"taken": taken, "momentum": opt.param_groups[0]["momentum"], "switched": outer is not None,
             "syncs": None if outer is None else list(outer.syncs),
             "anchors": None if outer is None else [param_fingerprint(a).tolist() for a in outer.anchors],
-            "lines": [m for m in lines if "communicates every" in m], "reducer": model.require_backward_grad_sync}
+            "lines": [m for m in lines if "communicates every" in m], "reducer": model.require_backward_grad_sync,
+            "locked": tuner.locked, "reason": tuner.reason, "tuning_steps": tuner.tuning_steps,
+            "lock_lines": [m for m in lines if "autotune locked" in m]}

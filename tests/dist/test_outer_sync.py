@@ -92,3 +92,15 @@ def test_auto_switches_to_the_outer_sync_at_a_step_boundary():
         # one WARNING line for the run: rank 0 says it, the others switch silently
         assert len(r["lines"]) == (rank == 0) and all("forced by the test" in m for m in r["lines"]), r
     assert res[0]["anchors"] == res[1]["anchors"]
+
+
+@pytest.mark.timeout(300)
+def test_auto_switches_when_a_round_ends_with_a_leader():
+    # the tuning ends at the switch: the leader is locked with the reason, and said once
+    res = spawn(R.auto_switch, 2, 60, True, timeout=240)
+    for rank, r in enumerate(res):
+        assert r["switched"] and r["locked"] and min(r["syncs"]) >= 5, r
+        assert r["reason"].endswith("the outer sync takes over in round 2"), r["reason"]
+        assert r["tuning_steps"] < 40 and r["reducer"] is False
+        assert len(r["lines"]) == len(r["lock_lines"]) == (rank == 0), r
+    assert res[0]["anchors"] == res[1]["anchors"] and res[0]["reason"] == res[1]["reason"]

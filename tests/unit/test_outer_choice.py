@@ -3,9 +3,13 @@
 import math
 import re
 
+import pytest
+
 import torch
 
 import compressors
+from comms.tuning.autotune import Autotuner
+from comms.tuning.autotune_leader import leader, lock_leader
 from comms.tuning.cost_model import HOOK_PASSES, CostModel, TierCost
 from comms.tuning.outer_choice import MIN_EVERY, OUTER_PASSES, OUTER_STEPS, REDUCER_PASSES, choose_outer
 
@@ -113,3 +117,52 @@ def test_a_dense_lock_stays_dense():
     p = _Planner(1.25e8, [("dense", 0.9, 6), ("allgather", 0.95, 6)], decision="dense")
     sync, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), 25_000_000, torch.float32)
     assert sync is None and "per-step plan is dense" in why, why
+
+
+def test_a_standing_leader_is_weighed_before_the_lock():
+    # an unlocked tuner decides nothing by itself; its leader's (rule, table) is weighed alike
+    table = [("dense", 0.9, 6), ("allgather", 0.4, 6)]
+    p = _Planner(1.25e8, table)
+    locked, _ = choose_outer(p, compressors.from_spec("qsgd:bits=4"), 25_000_000, torch.float32)
+    p.tuner.locked = False
+    assert choose_outer(p, compressors.from_spec("qsgd:bits=4"), 25_000_000, torch.float32)[0] is None
+    early, why = choose_outer(p, compressors.from_spec("qsgd:bits=4"), 25_000_000, torch.float32,
+                              plan=("allgather", table))
+    assert early is not None and early == locked, why
+    assert choose_outer(p, compressors.from_spec("qsgd:bits=4"), 25_000_000, torch.float32,
+                        plan=("dense", table))[0] is None
+
+
+def _tune(tuner, cost, steps):
+    clock = 0.0
+    for step in range(steps):
+        yield step, tuner.begin_step(step, clock, lambda: ["a", "b"], lambda v: v)
+        clock += cost[tuner.rule]
+
+
+def test_the_tuner_offers_its_leader_once_per_round_from_round_two():
+    t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
+    offered = []
+    for step, _ in _tune(t, {"dense": 1.0, "a": 0.5, "b": 0.55}, 40):
+        lead = leader(t)
+        if lead is not None:
+            offered.append((step, t._rounds, lead[0]))
+            assert dict((r, s) for r, s, _ in lead[1]) == pytest.approx({"dense": 1.0, "a": 0.5, "b": 0.55})
+        if t.locked:
+            break
+    rounds = [r for _, r, _ in offered]
+    assert offered and rounds[0] == 2 and rounds == sorted(set(rounds)), offered  # once per round
+    assert all(rule == "a" for _, _, rule in offered)
+    assert leader(t) is None  # locked (or this round's leader given): nothing more to offer
+
+
+def test_locking_the_leader_says_why_and_when():
+    t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
+    for _step, _ in _tune(t, {"dense": 1.0, "a": 0.52, "b": 0.5}, 40):
+        if leader(t) is not None:
+            break
+    assert not t.locked
+    lock_leader(t, "the outer sync takes over")
+    assert t.locked and t.decision == "b" == t.rule
+    assert t.reason.endswith("the outer sync takes over in round 2"), t.reason
+    assert leader(t) is None and [r for r, _, _ in t.table] == ["dense", "a", "b"]
