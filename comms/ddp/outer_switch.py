@@ -6,8 +6,9 @@ The switch happens at the first bucket of a step, when a round of the autotuner 
 leader that loses to the outer sync (the tuner locks it then) or at the lock: the
 parameters then hold the same bits on every rank (every step so far was averaged), so they
 are the outer sync's first synced parameters. What per-step compression kept is given back:
-SGD's momentum returns to the optimizer (it trains locally now), Adam's momentum-space pairing
-is removed, the per-step residuals and velocities are dropped; the replica check moves to the
+SGD's momentum returns to the optimizer (it trains locally now) with the velocity the hook kept
+as each parameter's momentum buffer (:func:`velocity_to_optimizer`), Adam's momentum-space
+pairing is removed, the per-step residuals are dropped; the replica check moves to the
 synced parameters. From that bucket on every gradient stays local, and from the next backward
 DDP's reducer is off (:func:`skip_reducer`).
 """
@@ -22,7 +23,7 @@ from ..transport.notices import notice
 from ..tuning.autotune_leader import leader as standing_leader, lock_leader
 from ..tuning.outer_choice import choose_outer
 
-__all__ = ["maybe_switch_to_outer", "skip_reducer"]
+__all__ = ["maybe_switch_to_outer", "skip_reducer", "velocity_to_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,28 @@ def skip_reducer(ddp_model) -> None:
     code that turns the reducer back on; ``no_sync()`` restores this setting on exit."""
     if ddp_model is not None and hasattr(ddp_model, "require_backward_grad_sync"):
         ddp_model.require_backward_grad_sync = False
+
+
+def velocity_to_optimizer(state, opt, params, world: int) -> int:
+    """Hand the momentum-correction velocities to SGD as its momentum buffers: bucket ``b``'s
+    velocity ``u`` (``u <- m u + g / world``, laid out as the bucket's parameters in
+    ``state.layout_tracker``) becomes ``world * u`` over each parameter, the velocity of this
+    rank's own gradient that SGD's ``buf <- m buf + g`` continues. Restarting the momentum
+    from zero instead slows the first steps of the outer sync as a fresh start does. Per rank
+    (the inner optimizer's state is local). Buckets whose layout does not match are skipped.
+    Returns the number of parameters given a buffer."""
+    by_key = {state.param_key(p): p for p in params}
+    given = 0
+    for index, u in state.memory.velocities.items():
+        ps = [by_key.get(k) for k in state.layout_tracker.layouts.get(index, ())]
+        if not ps or any(p is None for p in ps) or sum(p.numel() for p in ps) != u.numel():
+            continue
+        off = 0
+        for p in ps:
+            opt.state[p]["momentum_buffer"] = u[off:off + p.numel()].view_as(p).mul(world)
+            off += p.numel()
+        given += len(ps)
+    return given
 
 
 def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
@@ -65,9 +88,11 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
     if state.adam is not None:
         state.adam.remove()
         state.adam = None
+    comm = state.comm()
     if taken is not None:
         for g in opt.param_groups:
             g["momentum"] = taken
+        velocity_to_optimizer(state, opt, params, comm.world_size)
     state.memory.reset()
     state.algo_store.clear()
     state.replica_guard = None
@@ -75,7 +100,6 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
     algorithm = sync.pop("algorithm")
     if algorithm is not None:
         options["algorithm"] = algorithm
-    comm = state.comm()
     state.outer = attach_outer(params, comm, state.compressor, opt, sync, check_every, options)
     skip_reducer(model())  # from the next backward (this one's buckets return local gradients)
     notice(logger, "commpress: auto communicates every %d steps from step %d: %s", sync["sync_every"],
