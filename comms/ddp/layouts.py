@@ -15,9 +15,22 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["LayoutTracker"]
+__all__ = ["LayoutTracker", "cut"]
 
 logger = logging.getLogger(__name__)
+
+
+def cut(keys: Sequence, t: torch.Tensor, sizes: dict) -> dict | None:
+    """``{key: view}``: flat ``t`` laid out as the parameters ``keys`` in order, ``sizes[key]``
+    elements each, cut into views of ``t``; ``None`` when ``keys`` is empty, a size is unknown
+    or the sizes do not add up to ``t``."""
+    if not keys or not all(k in sizes for k in keys) or sum(sizes[k] for k in keys) != t.numel():
+        return None
+    pieces, off = {}, 0
+    for k in keys:
+        pieces[k] = t[off: off + sizes[k]]
+        off += sizes[k]
+    return pieces
 
 
 class LayoutTracker:
@@ -76,12 +89,9 @@ class LayoutTracker:
         for j, lay in list(self.layouts.items()):
             if j == index or kset & set(lay):
                 for m, mem in enumerate(memories):
-                    r = mem.get(j)
-                    if r is not None and all(k in sizes for k in lay) and sum(sizes[k] for k in lay) == r.numel():
-                        off = 0
-                        for k in lay:
-                            self._loose[(m, k)] = r[off: off + sizes[k]]
-                            off += sizes[k]
+                    pieces = cut(lay, mem[j], sizes) if mem.get(j) is not None else None
+                    for k, piece in (pieces or {}).items():
+                        self._loose[(m, k)] = piece
                 del self.layouts[j]
                 reset_bucket(j)
         reset_bucket(index)

@@ -22,6 +22,7 @@ from ..outer.optimizers import is_adaptive
 from ..transport.notices import notice
 from ..tuning.autotune_leader import leader as standing_leader, lock_leader
 from ..tuning.outer_choice import choose_outer
+from .layouts import cut
 
 __all__ = ["maybe_switch_to_outer", "skip_reducer", "velocity_to_optimizer"]
 
@@ -47,16 +48,13 @@ def velocity_to_optimizer(state, opt, params, world: int) -> int:
     (the inner optimizer's state is local). Buckets whose layout does not match are skipped.
     Returns the number of parameters given a buffer."""
     by_key = {state.param_key(p): p for p in params}
+    sizes = {k: p.numel() for k, p in by_key.items()}
     given = 0
     for index, u in state.memory.velocities.items():
-        ps = [by_key.get(k) for k in state.layout_tracker.layouts.get(index, ())]
-        if not ps or any(p is None for p in ps) or sum(p.numel() for p in ps) != u.numel():
-            continue
-        off = 0
-        for p in ps:
-            opt.state[p]["momentum_buffer"] = u[off:off + p.numel()].view_as(p).mul(world)
-            off += p.numel()
-        given += len(ps)
+        pieces = cut(state.layout_tracker.layouts.get(index, ()), u, sizes) or {}
+        for k, piece in pieces.items():
+            opt.state[by_key[k]]["momentum_buffer"] = piece.view_as(by_key[k]).mul(world)
+        given += len(pieces)
     return given
 
 
@@ -75,20 +73,20 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
         return False
     sync, why = choose_outer(state.planner, state.compressor, numel, dtype,
                              adaptive=is_adaptive(auto[0]), plan=leader)
+    comm = state.comm()
     if sync is None:
         if tuner.locked:  # decided: say so once
             state.auto_outer = None
-            notice(logger, "commpress: auto keeps communicating every step: %s", why, rank=state.comm().rank)
+            notice(logger, "commpress: auto keeps communicating every step: %s", why, rank=comm.rank)
         return False
     state.auto_outer = None  # decided
     if not tuner.locked:
         lock_leader(tuner, "the outer sync takes over")
-        notice(logger, "commpress (step %d): %s", state.iter, tuner.lock_summary(), rank=state.comm().rank)
+        notice(logger, "commpress (step %d): %s", state.iter, tuner.lock_summary(), rank=comm.rank)
     opt, params, check_every, taken, model = auto
     if state.adam is not None:
         state.adam.remove()
         state.adam = None
-    comm = state.comm()
     if taken is not None:
         for g in opt.param_groups:
             g["momentum"] = taken
