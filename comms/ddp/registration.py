@@ -13,7 +13,7 @@ from ..core.pairing import (ADAM_FREEZE_DEFAULT, adam_pairing, check_adam_freeze
                             give_back_momentum, pair_optimizer, replica_guard)
 from ..outer.attach import attach_outer, check_outer_pairing, take_sync_options
 from ..outer.optimizers import is_adaptive
-from ..tuning.quality_cost import prefer_dense_for
+from ..tuning.quality_cost import prefer_dense_for, screen_for
 from .hook import compression_hook
 from .outer_switch import skip_reducer
 from .state import CompressionState
@@ -112,10 +112,12 @@ def register(ddp_model, compressor, *, check_replicas_every: int | None = None,
 
 def _quality_margin(state, optimizer) -> None:
     """The step autotuner locks a compressed plan only when its step beats dense's by what the
-    compressor's extra steps to dense's loss take back (:mod:`comms.tuning.quality_cost`)."""
+    compressor's extra steps to dense's loss take back, and tries it only when the cost model
+    predicts it can (:mod:`comms.tuning.quality_cost`)."""
     tuner = state.planner.tuner if state.planner is not None else None
     if tuner is not None:
         tuner.prefer_dense = prefer_dense_for(state.compressor, is_adaptive(optimizer), tuner.prefer_dense)
+        tuner.screen = screen_for(state.compressor, is_adaptive(optimizer))
 
 
 def _allow_outer(state, ddp_model, optimizer, auto_outer, check_every, taken) -> None:

@@ -6,11 +6,10 @@ in rounds** (dense, A, B, dense, A, B, ...; each rule for ``steps_per_trial`` st
 every step, agrees on the timings across ranks after each round (one small allgather, MAX per
 step) and decides when **the data decides** (:mod:`comms.tuning.autotune_rules`):
 
+* with ``screen`` set, a rule the cost model cannot see winning is never tried;
 * in the first round the first step of each rule is not counted (a rule's first steps
-  allocate its buffers: up to ~2x); from the second round every step counts — at 10 Gb/s
-  (qsgd4, four rules in blocks of 3 steps, two runs of 10-11 rounds) a block's first step was
-  within -0.9% .. +3.7% of the block's other steps (standard errors 2-4%): twice the samples
-  from the same steps;
+  allocate its buffers: up to ~2x); from the second round every step counts (at 10 Gb/s a
+  block's first step was within -0.9% .. +3.7% of its other steps);
 * a rule whose every sample is slower than every dense sample is dropped — from round 2, two
   samples each at least: one slow step must not end a plan's trial (at 10 Gb/s one slow
   round-1 sample did, for a top-k plan 10% faster than dense, in 4 of 5 tunings);
@@ -21,56 +20,45 @@ step) and decides when **the data decides** (:mod:`comms.tuning.autotune_rules`)
   every sample faster than every dense one, a rank test over all sample pairs, or the step
   ratio paired by round (a round's steps are seconds apart, so the load both saw cancels);
 * a rule that **surely cannot win** (paired by round, surely not ``prefer_dense`` faster) is
-  dropped: its steps go to the rules that still can win;
+  dropped;
 * tuning stops when no undecided rule is left after at least ``min_rounds`` (4) rounds, or
   when the next round would exceed ``max_steps`` (default 40 steps): then the fastest
   *winning* rule is locked, and dense when none won — an unclear result never compresses;
 * **a decisive result stops earlier**: from round 2 on, when the fastest winner's every
   sample beats every dense sample by ``decisive`` (10%) and every other rule is dropped or
   has every sample slower than every sample of that winner by ``decisive``, it is locked
-  before ``min_rounds``. On a 1 Gb/s link, where dense is 1.5-3x slower than the compressed
-  plans, this halves the tuning steps;
+  before ``min_rounds`` (at 1 Gb/s: half the tuning steps);
 * **dense retires once beaten decisively**: from round 2 on, when every rule still in play
-  beats dense that way (and by ``prefer_dense`` where that is larger), dense runs no more
-  trial steps (its samples still judge every rule)
-  and the remaining rounds only separate the compressed plans. Those rules keep their win
-  over dense: with no dense steps left to pair their later steps with, a load burst on those
-  must not turn a won phase into a dense lock.
+  beats dense that way (and by ``prefer_dense`` where larger), dense runs no more trial steps
+  (its samples still judge every rule) and those rules keep their win over dense for good.
 
-Interleaving matters on a shared machine: a load burst hits every rule of a round instead of
-one rule's whole block. Every rank runs the same deterministic decision on the same agreed
-numbers, so every rank adopts the SAME plan (a plan that differed between ranks would mismatch
-collectives). After the lock the watchdog (:mod:`comms.tuning.retune_watch`) re-times the
-runner-up now and then; ``state.retune()`` tunes again on demand.
+Interleaving matters on a shared machine: a load burst hits every rule of a round, not one
+rule's block. Every rank decides alike on the same agreed numbers: the SAME plan everywhere.
+After the lock the watchdog (:mod:`comms.tuning.retune_watch`) re-times the runner-up now and
+then; ``state.retune()`` tunes again on demand.
 
-A rule applies to every bucket of a step: ``"dense"`` (plain allreduce everywhere),
-``"model"`` (the cost model's per-bucket choice), or an algorithm name (that algorithm for
-every bucket the planner would compress at all; small and 1-D buckets stay dense).
+A rule applies to every bucket of a step: ``"dense"``, ``"model"`` (the cost model's
+per-bucket choice), or an algorithm (for every bucket the planner compresses at all).
 
-Timing. A step's time is the wall time between the hook's calls for bucket 0 of consecutive
-steps (DDP launches bucket 0 first, after the previous step's futures were waited for), so it
-spans a whole training step — forward, backward, communication, optimizer — and sees
-everything a plan costs. Error feedback across switches: when a bucket moves to another
-algorithm, the hook adds what the old algorithm kept (``Algorithm.flush_residual_``, e.g.
-two_phase's owner residual) into the bucket once; the hook's own residual stays through the
-dense steps of a trial or a watchdog check (compression comes back) and, once dense is the
-decision, drains in equal shares: no gradient mass is lost and none arrives as a burst.
+Timing: a step is the wall time between the hook's calls for bucket 0 of consecutive steps
+(DDP launches bucket 0 first): forward, backward, communication, optimizer — all a plan costs.
+Error feedback across switches: a bucket moving to another algorithm gets what the old one kept
+(``Algorithm.flush_residual_``) once; the hook's own residual stays through a trial's or a
+check's dense steps and, once dense is the decision, drains in equal shares.
 
 Modules: this one holds the trial schedule (rounds, what each step runs, when to lock);
-:mod:`comms.tuning.autotune_rules` the statistics, :mod:`comms.tuning.retune_watch` the watchdog,
-:mod:`comms.tuning.step_seconds` the agreed timings, :mod:`comms.tuning.autotune_state`
-checkpointing, :mod:`comms.tuning.autotune_leader` the standing plan before the lock and
+:mod:`comms.tuning.autotune_rules` the statistics, :mod:`comms.tuning.autotune_screen` the
+rules never tried, :mod:`comms.tuning.retune_watch` the watchdog, :mod:`comms.tuning.step_seconds`
+the agreed timings, :mod:`comms.tuning.autotune_state` checkpointing,
+:mod:`comms.tuning.autotune_leader` the standing plan before the lock and
 :mod:`comms.tuning.autotune_report` what is printed.
 
-Example::
+Example (``retune()`` on every rank before the same step)::
 
     >>> state = comms.register(ddp_model, "powersgd:rank=1")   # auto + autotune by default
     >>> ... train 40 steps ...
     >>> print(state.plan)        # per-bucket table, the trial table, the locked rule, its cost
-    >>> state.retune()           # on every rank at the same step: tune again
-
-.. warning::
-    ``retune()`` must be called on every rank before the same step.
+    >>> state.retune()           # tune again
 """
 
 from __future__ import annotations
@@ -84,6 +72,7 @@ from typing import Callable, Sequence
 from ..algorithms import DENSE
 from .autotune_report import format_tuner, lock_summary
 from .autotune_rules import MIN_GAIN_S, DecisionRules, beats, choose_rule
+from .autotune_screen import round_rules, screen_rules
 from .autotune_state import load_tuner_state, tuner_state
 from .retune_watch import Watchdog
 from .step_seconds import MAX_STEP_SECONDS, MIN_STEP_SECONDS, check_step_seconds
@@ -101,6 +90,13 @@ def medians(t) -> list[tuple[str, float, int]]:
     """``(rule, median seconds or nan, samples)`` of every rule of ``t``'s trial phase so far."""
     return [(r, statistics.median(t._samples[r]) if t._samples[r] else math.nan, len(t._samples[r]))
             for r in t.trials]
+
+
+def _fraction(name: str, value, closed: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (0 <= value <= 1 if closed else 0 <= value < 1):
+        raise ValueError(f"{name} must be in [0, 1{']' if closed else ')'}, got {value!r}")
+    return float(value)
 
 
 def _int_option(name: str, value, low: int) -> int:
@@ -130,6 +126,8 @@ class Autotuner(DecisionRules, Watchdog):
         decisive: the separation (fraction of a step) between every sample of two rules that
             settles them before ``min_rounds`` (from round 2 on): the early lock, and dense's
             retirement from the trial rounds; 0 turns both off.
+        screen: try a rule only where the model predicts it saves this share of the margin
+            over dense's step (0: try all; :mod:`comms.tuning.autotune_screen`).
 
     Attributes:
         preference: ``None`` (the trial order) or ``fn(rule) -> sort key``: which of tied
@@ -143,6 +141,7 @@ class Autotuner(DecisionRules, Watchdog):
             what the locked rule would have taken (agreed numbers).
         reason: why the last lock chose its rule (the test that decided), for the log.
         tunings: how many trial phases ran (the watchdog and ``retune`` start new ones).
+        screened: ``{rule: predicted seconds saved per step}`` of the rules not tried.
         count_from: steps before it are never counted (the compressor's warm-up ramp: its
             milder variants' steps would time a different plan); set by the planner.
     """
@@ -150,7 +149,7 @@ class Autotuner(DecisionRules, Watchdog):
     def __init__(self, steps_per_trial: int = 2, trials: int = 3, prefer_dense: float = 0.03,
                  candidates: Sequence[str] | None = None, *, max_steps: int = 40,
                  min_rounds: int = 4, watch_every: int = 200, drift: float = 0.25,
-                 tie: float = 0.03, decisive: float = 0.10):
+                 tie: float = 0.03, decisive: float = 0.10, screen: float = 0.0):
         if isinstance(steps_per_trial, bool) or not isinstance(steps_per_trial, int):
             raise TypeError(f"autotune_steps must be an int, got {steps_per_trial!r}")
         if steps_per_trial < 2:
@@ -158,8 +157,7 @@ class Autotuner(DecisionRules, Watchdog):
                              f"counted), got {steps_per_trial!r}")
         if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
             raise ValueError(f"trials must be an int >= 0, got {trials!r}")
-        if not isinstance(prefer_dense, (int, float)) or not 0 <= prefer_dense < 1:
-            raise ValueError(f"prefer_dense must be in [0, 1), got {prefer_dense!r}")
+        prefer_dense = _fraction("prefer_dense", prefer_dense)
         if candidates is not None and (isinstance(candidates, str)
                                        or not all(isinstance(c, str) for c in candidates)):
             raise TypeError(f"candidates must be a list of rule names, got {candidates!r}")
@@ -168,12 +166,9 @@ class Autotuner(DecisionRules, Watchdog):
         self.watch_every = _int_option("autotune watch_every", watch_every, 0)
         if not isinstance(drift, (int, float)) or not drift > 0:
             raise ValueError(f"autotune drift must be > 0, got {drift!r}")
-        if not isinstance(tie, (int, float)) or not 0 <= tie < 1:
-            raise ValueError(f"autotune tie must be in [0, 1), got {tie!r}")
-        self.tie = float(tie)
-        if not isinstance(decisive, (int, float)) or not 0 <= decisive < 1:
-            raise ValueError(f"autotune decisive must be in [0, 1), got {decisive!r}")
-        self.decisive = float(decisive)
+        self.tie = _fraction("autotune tie", tie)
+        self.decisive = _fraction("autotune decisive", decisive)
+        self.screen = _fraction("autotune screen", screen, closed=True)
         self.preference: Callable[[str], object] | None = None
         self.steps = steps_per_trial
         self.n_trials = trials
@@ -211,15 +206,20 @@ class Autotuner(DecisionRules, Watchdog):
         self._locked_at: int | None = None
         self._winners: list[str] = []  # the rules that beat dense at the last round's end
         self._leader_round = 0  # the round whose leader comms.tuning.autotune_leader gave last
+        self._lead: str | None = None  # "due": dense's first-round steps run alone; then "done"
+        self.screened: dict[str, float] = {}
 
     # -- per step -------------------------------------------------------------------------
     def begin_step(self, step: int, now: float, propose: Callable[[], list[str]],
-                   agree: Callable[[list[float]], list[float]]) -> str:
+                   agree: Callable[[list[float]], list[float]],
+                   predict: Callable[[], dict[str, float]] | None = None) -> str:
         """Called at bucket 0 of every tuned step, on every rank; returns this step's rule.
 
         ``propose()`` gives the compressed rules ranked best first (identical on all ranks);
         ``agree(values)`` returns the element-wise MAX over ranks (a collective: called at
-        the end of each trial round and of each watchdog check, on every rank alike).
+        the end of each trial round and of each watchdog check, on every rank alike);
+        ``predict()`` gives ``{rule: seconds per step it saves against all-dense}`` as the
+        cost model predicts them (identical on all ranks; ``None``: no screening).
         """
         last, self._last = self._last, (step, now)
         if last is not None and last[0] == step - 1 and last[0] >= self.count_from:
@@ -236,11 +236,16 @@ class Autotuner(DecisionRules, Watchdog):
             self._samples = {r: [] for r in self.trials}
             self.start = step
             self.tunings += 1
+            self._lead = "due" if self.screen > 0 and predict is not None and len(self.trials) > 1 else None
             logger.debug("autotune: rules %s from step %d, rounds of %d steps each",
                          self.trials, step, self.steps)
         if not self._round or step > self._round[-1][0]:
             if self._round:
-                self._end_round(agree)
+                if self._lead == "due":
+                    self._record_round(agree, advance=False)
+                    screen_rules(self, predict)
+                else:
+                    self._end_round(agree)
                 if self.locked:
                     return self._watch(step, agree)
             self._round = self._schedule(step)
@@ -252,9 +257,9 @@ class Autotuner(DecisionRules, Watchdog):
         ``self.steps`` steps in turn. In a phase's first round the first step of each rule is
         not counted (the rule's first steps allocate its buffers); from the second round on
         every step counts (see the module docstring)."""
-        every = self._rounds >= 1
+        every, rules = self._rounds >= 1, round_rules(self)
         return [(step + i * self.steps + j, r, every or j > 0)
-                for i, r in enumerate(self._active) for j in range(self.steps)]
+                for i, r in enumerate(rules) for j in range(self.steps)]
 
     def _end_round(self, agree) -> None:
         """Agree on the round's step times (collective), judge every rule, and lock when the
@@ -280,7 +285,7 @@ class Autotuner(DecisionRules, Watchdog):
         elif len(self._active) <= 1:
             self._lock(winners, "no other rule left in play")
 
-    def _record_round(self, agree) -> None:
+    def _record_round(self, agree, advance: bool = True) -> None:
         vals = list(agree([self._durations.get(s, math.nan) for s, _, _ in self._round]))
         for (s, r, counted), v in zip(self._round, vals):
             self._phase_steps.append((r, v))
@@ -288,7 +293,7 @@ class Autotuner(DecisionRules, Watchdog):
                 self._samples[r].append(v)
                 self._by_round.setdefault(r, {}).setdefault(self._rounds, []).append(v)
         self._durations.clear()
-        self._rounds += 1
+        self._rounds += advance
 
     def _undecided(self, rounds: int, dense: list[float]) -> list[str]:
         """The compressed rules in play that neither won nor were dropped this round."""
@@ -343,12 +348,12 @@ class Autotuner(DecisionRules, Watchdog):
             self._dense_retired = True
             self._beat_dense = set(keep)
 
-    def _lock(self, winners, why: str) -> None:
+    def _lock(self, winners, why: str, reason: str | None = None) -> None:
         self.table = medians(self)
         decision = self._pick(winners)[0] if winners else DENSE
-        self.reason = (f"{self._win_reason(decision)}; {why}" if winners else
-                       f"no compressed rule beat dense's median by {self.prefer_dense:.0%} and "
-                       f"{MIN_GAIN_S * 1e3:g} ms with confidence; {why}")
+        self.reason = reason or (f"{self._win_reason(decision)}; {why}" if winners else
+                                 f"no compressed rule beat dense's median by {self.prefer_dense:.0%} and "
+                                 f"{MIN_GAIN_S * 1e3:g} ms with confidence; {why}")
         self.decision = self.rule = decision
         self.locked = True
         score = dict((r, s) for r, s, _ in self.table)[decision]

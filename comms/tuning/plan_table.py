@@ -11,7 +11,7 @@ one for each tried rule, the topology and the cost model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -20,7 +20,7 @@ from ..algorithms import DENSE
 from .autotune import MODEL, Autotuner
 from .cost_model import CostModel
 
-__all__ = ["Plan", "PlanRow", "decide_row", "apply_rule"]
+__all__ = ["Plan", "PlanRow", "decide_row", "apply_rule", "predicted_saving"]
 
 
 @dataclass
@@ -72,6 +72,18 @@ def apply_rule(rule: str, row: PlanRow) -> str:
     if rule == DENSE or row.reason != "cheapest" or rule not in row.predicted:
         return DENSE  # small, 1-D, unplanned buckets, or not a candidate here
     return rule
+
+
+def predicted_saving(rows: Sequence[PlanRow], rule: str) -> float:
+    """Seconds per step the cost model predicts the whole-step ``rule`` saves against
+    all-dense over the buckets of ``rows`` (negative: slower); ``nan`` when a row has no
+    prediction. Communication and codec only: what the rule cannot change is the same."""
+    total = 0.0
+    for r in rows:
+        if DENSE not in r.predicted:
+            return math.nan
+        total += r.predicted[DENSE] - r.predicted.get(apply_rule(rule, r), r.predicted[DENSE])
+    return total
 
 
 class Plan:
@@ -128,17 +140,12 @@ class Plan:
             return {}
         measured = {r: s for r, s, _ in self.tuner.table}
         dense = measured.get(DENSE, math.nan)
+        rows = [replace(r, chosen=r.model_choice or r.chosen) for r in self.rows]  # the model's own picks
         out = {}
         for rule, s in measured.items():
             if rule == DENSE or not (math.isfinite(s) and math.isfinite(dense)):
                 continue
-            pred = 0.0
-            for r in self.rows:
-                name = r.model_choice if rule == MODEL else rule
-                t = r.predicted.get(name if r.reason == "cheapest" else DENSE, r.predicted.get(DENSE))
-                if t is None or DENSE not in r.predicted:
-                    break
-                pred += t - r.predicted[DENSE]
-            else:
-                out[rule] = (pred, s - dense)
+            saving = predicted_saving(rows, rule)
+            if math.isfinite(saving):
+                out[rule] = (-saving, s - dense)
         return out

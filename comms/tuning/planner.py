@@ -53,7 +53,7 @@ from .cost_model import CostModel
 from ..transport.notices import notice
 from ..transport.errors import where
 from .probe import PROBE_SIZES, probe, refine
-from .plan_table import Plan, PlanRow, apply_rule, decide_row
+from .plan_table import Plan, PlanRow, apply_rule, decide_row, predicted_saving
 from .rule_ranking import propose_rules, tie_preference
 from .step_seconds import agree_step_seconds
 from ..cluster.topology import Topology, tiered_communicator
@@ -193,7 +193,11 @@ class Planner:
             what = where(self.comm, "autotune timing MAX-allgather", 0, numel, dtype, step)
             return agree_step_seconds(self.comm, values, what)
 
-        self.tuner.begin_step(step, now, propose, agree)
+        def predict() -> dict[str, float]:  # the screen's predicted savings (comms.tuning.autotune)
+            rows = [self._row(k) for k in keys]
+            return {rule: predicted_saving(rows, rule) for rule in self.tuner.trials}
+
+        self.tuner.begin_step(step, now, propose, agree, predict if self.model is not None else None)
         if self.tuner.locked and not was_locked:
             notice(logger, "commpress (step %d): %s", step, self.tuner.lock_summary(), rank=rank)
             logger.debug("commpress autotune trial table:\n%s", self.tuner)

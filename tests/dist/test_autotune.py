@@ -247,6 +247,7 @@ def _kept_through_trials(rank, world):
                            timing=lambda rule, s: fake[rule], lr=0.0)
     tuner = state.planner.tuner
     tuner.watch_every = 3
+    tuner.screen = 0.0  # the fake step times are not the cost model's seconds: no screen
     rules, mem = [], []
     for step in range(24):
         x, y = batch(rank, step)
@@ -277,6 +278,37 @@ def test_trial_and_watchdog_dense_steps_keep_the_residual():
         assert o["draining"] == {}
     # trial rounds after the first and at least one watchdog check (after the lock) were seen
     assert checked >= 4 and "dense" in rules[rules.index("allgather"):]
+
+
+def _screened(rank, world, spec):
+    # a measured dense step of 1 s: no plan of the tiny model's buckets is predicted to save
+    # 25% of it (random-k's screen: half its 50% margin)
+    model, state, opt = _ddp(spec, timing=lambda rule, s: 1.0)
+    tuner, rules = state.planner.tuner, []
+    for step in range(8):
+        _step(rank, model, opt, step)
+        rules.append(tuner.rule)
+    comms.check_replicas(model)
+    return {"rules": rules, "screen": tuner.screen, "locked": tuner.locked, "decision": tuner.decision,
+            "tuning_steps": tuner.tuning_steps, "screened": sorted(tuner.screened), "reason": tuner.reason,
+            "compressed": sum(s.calls for s in state.stats.values() if s.algorithm != "dense")}
+
+
+@pytest.mark.timeout(150)
+def test_a_plan_the_model_cannot_see_winning_never_runs_a_trial_step():
+    """random-k's trial steps cost quality (its residual leaves in bursts): register sets the
+    tuner's screen, dense's first-round steps are agreed alone, and with no rule predicted to
+    save its share of dense's step dense is locked before any compressed step ran."""
+    out = spawn(_screened, 2, "randomk:density=0.05", timeout=120)
+    for o in out:
+        assert o["screen"] == 0.5 and o["locked"] and o["decision"] == "dense", o
+        assert o["tuning_steps"] == 2 and o["compressed"] == 0 and o["screened"], o
+        assert o["reason"].startswith("no compressed rule tried: the cost model predicts"), o["reason"]
+        assert o["rules"][0] is None and o["rules"][1:] == ["dense"] * 7  # step 0: before start_iter
+    assert out[0]["screened"] == out[1]["screened"] and out[0]["reason"] == out[1]["reason"]
+    # a quantizer's trial steps cost no quality: no screen, its rules run their trials
+    q = spawn(_screened, 2, "qsgd:bits=4", timeout=120)
+    assert q[0]["screen"] == 0.0 and q[0]["screened"] == [] and q[0]["compressed"] > 0
 
 
 # -- resume keeps the locked plan ---------------------------------------------------------------

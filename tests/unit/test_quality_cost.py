@@ -5,7 +5,7 @@ import pytest
 
 import compressors
 from comms.tuning.autotune import Autotuner
-from comms.tuning.quality_cost import STEPS_FOR_DENSE_LOSS, prefer_dense_for, steps_for_dense_loss
+from comms.tuning.quality_cost import STEPS_FOR_DENSE_LOSS, prefer_dense_for, screen_for, steps_for_dense_loss
 
 
 def drive(tuner, cost, steps):
@@ -59,3 +59,73 @@ def test_dense_does_not_retire_before_a_rule_beats_the_margin():
     rules = drive(t, cost, 40)
     assert t.decision == "dense" and not t._dense_retired
     assert rules[:12].count("dense") == 6
+
+
+def screened_drive(tuner, cost, steps, gains):
+    """Like :func:`drive` with the planner's ``predict`` (``gains``: seconds saved per step);
+    returns the rules and the agreed rounds' lengths."""
+    clock, rules, agreed = 0.0, [], []
+    for step in range(steps):
+        rule = tuner.begin_step(step, clock, lambda: ["a", "b"],
+                                lambda v: agreed.append(len(v)) or v, lambda: dict(gains))
+        rules.append(rule)
+        clock += cost[rule]
+    return rules, agreed
+
+
+@pytest.mark.parametrize("spec,adaptive,want", [
+    ("topk:density=0.01", False, 0.5), ("randomk:density=0.01", False, 0.5),
+    ("sign", False, 0.5), ("powersgd:rank=1", False, 0.5),
+    ("sign", True, 0.0), ("qsgd:bits=4", False, 0.0), ("fp16", False, 0.0),
+])
+def test_only_a_compressor_whose_trial_steps_cost_quality_is_screened(spec, adaptive, want):
+    assert screen_for(compressors.from_spec(spec), adaptive) == want
+
+
+def test_rules_the_model_cannot_see_winning_are_never_tried():
+    # random-k 1% at 10 Gb/s: dense 366 ms, the model predicts 62 ms saved where 50% of the
+    # step (183 ms) is needed, 91 ms at the screen's half
+    margin = prefer_dense_for(compressors.from_spec("randomk:density=0.01"))
+    t = Autotuner(steps_per_trial=2, trials=2, prefer_dense=margin, screen=0.5)
+    cost = {"dense": 0.366, "a": 0.32, "b": 0.35}
+    rules, agreed = screened_drive(t, cost, 12, {"dense": 0.0, "a": 0.062, "b": 0.061})
+    # dense's two first-round steps alone, one agreement, then dense is locked: a and b never ran
+    assert rules == ["dense"] * 12 and agreed == [2]
+    assert t.locked and t.decision == "dense" and t.tuning_steps == 2
+    assert t.screened == {"a": 0.062, "b": 0.061}
+    assert "no compressed rule tried" in t.reason and "62.0 ms" in t.reason and "366 ms" in t.reason
+    line = t.lock_summary()
+    assert line.startswith("autotune locked 'dense' (1.00x") and "tuning took 2 steps, 0 ms" in line
+
+
+def test_a_rule_the_model_sees_winning_runs_and_the_first_round_keeps_its_length():
+    # 1 Gb/s: dense 1 s, the model predicts a saves 0.7 s; b (0.05 s) is screened. Dense's
+    # first-round steps are not repeated: the first round is dense, dense, a, a as without
+    # the screen, agreed in two parts
+    margin = prefer_dense_for(compressors.from_spec("topk:density=0.01"))
+    t = Autotuner(steps_per_trial=2, trials=2, prefer_dense=margin, screen=0.5)
+    cost = {"dense": 1.0, "a": 0.3, "b": 0.95}
+    rules, agreed = screened_drive(t, cost, 20, {"dense": 0.0, "a": 0.7, "b": 0.05})
+    assert rules[:4] == ["dense", "dense", "a", "a"] and "b" not in rules
+    assert agreed[:2] == [2, 2]
+    assert t.locked and t.decision == "a", t.reason
+    assert t.screened == {"b": 0.05}
+    # a rule with no prediction (nan) is tried
+    u = Autotuner(steps_per_trial=2, trials=2, prefer_dense=margin, screen=0.5)
+    rules, _ = screened_drive(u, cost, 8, {"dense": 0.0, "a": float("nan"), "b": 0.05})
+    assert rules[:4] == ["dense", "dense", "a", "a"] and u.screened == {"b": 0.05}
+
+
+def test_without_a_screen_or_a_prediction_the_rounds_are_unchanged():
+    cost = {"dense": 0.366, "a": 0.32, "b": 0.35}
+    for screen, gains in ((0.0, {"a": 0.0, "b": 0.0}), (0.5, None)):
+        t = Autotuner(steps_per_trial=2, trials=2, prefer_dense=0.5, screen=screen)
+        clock, rules, agreed = 0.0, [], []
+        for step in range(8):
+            rule = t.begin_step(step, clock, lambda: ["a", "b"], lambda v: agreed.append(len(v)) or v,
+                                None if gains is None else (lambda: gains))
+            rules.append(rule)
+            clock += cost[rule]
+        assert rules[:6] == ["dense", "dense", "a", "a", "b", "b"] and agreed[0] == 6
+    with pytest.raises(ValueError, match="screen"):
+        Autotuner(screen=1.5)
