@@ -222,7 +222,7 @@ class Autotuner(DecisionRules, Watchdog):
         cost model predicts them (identical on all ranks; ``None``: no screening).
         """
         last, self._last = self._last, (step, now)
-        if last is not None and last[0] == step - 1 and last[0] >= self.count_from:
+        if last is not None and last[0] == step - 1 and (last[0] >= self.count_from or self._lead == "due"):
             seconds = now - last[1]
             if self.timing is not None and self.rule is not None:
                 seconds = float(self.timing(self.rule, seconds))

@@ -9,7 +9,9 @@ the ``prefer_dense`` share of dense's measured step never runs: it could not be 
 steps would put the model behind. At 10 Gb/s on the 25M MLP (SGD) random-k 1%'s trial steps
 lifted the loss above the initial one and it trailed dense to the end, and top-k's cost it 10
 steps to dense's loss, where both then locked dense. The rest of the first round runs the
-rules left; when none is left dense is locked after dense's two steps.
+rules left; when none is left dense is locked after dense's two steps. Those steps count even
+inside the compressor's warm-up ramp (the tuner's ``count_from``, top-k's first 5 compressed
+steps): they are dense steps either way.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ def _ddp(spec, steps_per_trial=2, candidates=None, timing=None, start_iter=1, lr
         state.planner.tuner.candidates = list(candidates)
     if timing is not None:
         state.planner.tuner.timing = timing
+        state.planner.tuner.screen = 0.0  # fake step times are not the cost model's seconds: no screen
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9 if lr else 0.0)
     return model, state, opt
 
@@ -247,7 +248,6 @@ def _kept_through_trials(rank, world):
                            timing=lambda rule, s: fake[rule], lr=0.0)
     tuner = state.planner.tuner
     tuner.watch_every = 3
-    tuner.screen = 0.0  # the fake step times are not the cost model's seconds: no screen
     rules, mem = [], []
     for step in range(24):
         x, y = batch(rank, step)
@@ -283,8 +283,9 @@ def test_trial_and_watchdog_dense_steps_keep_the_residual():
 def _screened(rank, world, spec):
     # a measured dense step of 1 s: no plan of the tiny model's buckets is predicted to save
     # 25% of it (random-k's screen: half its 50% margin)
-    model, state, opt = _ddp(spec, timing=lambda rule, s: 1.0)
+    model, state, opt = _ddp(spec)
     tuner, rules = state.planner.tuner, []
+    tuner.timing = lambda rule, s: 1.0
     for step in range(8):
         _step(rank, model, opt, step)
         rules.append(tuner.rule)
@@ -309,6 +310,10 @@ def test_a_plan_the_model_cannot_see_winning_never_runs_a_trial_step():
     # a quantizer's trial steps cost no quality: no screen, its rules run their trials
     q = spawn(_screened, 2, "qsgd:bits=4", timeout=120)
     assert q[0]["screen"] == 0.0 and q[0]["screened"] == [] and q[0]["compressed"] > 0
+    # top-k's dense steps fall in its 5-step warm-up ramp (not counted for the trials): the
+    # screen counts them, dense steps either way
+    k = spawn(_screened, 2, "topk:density=0.1", timeout=120)
+    assert k[0]["screen"] == 0.5 and k[0]["screened"] and k[0]["compressed"] == 0 and k[0]["tuning_steps"] == 2
 
 
 # -- resume keeps the locked plan ---------------------------------------------------------------

@@ -129,3 +129,12 @@ def test_without_a_screen_or_a_prediction_the_rounds_are_unchanged():
         assert rules[:6] == ["dense", "dense", "a", "a", "b", "b"] and agreed[0] == 6
     with pytest.raises(ValueError, match="screen"):
         Autotuner(screen=1.5)
+
+
+def test_the_screen_counts_dense_steps_inside_a_warm_up_ramp():
+    # top-k's ramp (count_from) covers dense's first-round steps: they still weigh the screen
+    t = Autotuner(steps_per_trial=2, trials=2, prefer_dense=0.29, screen=0.5)
+    t.count_from = 5
+    rules, agreed = screened_drive(t, {"dense": 0.4, "a": 0.3, "b": 0.3}, 6, {"a": 0.01, "b": 0.02})
+    assert t.locked and t.decision == "dense" and rules == ["dense"] * 6 and agreed == [2]
+    assert t.table[0] == ("dense", 0.4, 1)
