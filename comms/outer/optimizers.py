@@ -59,6 +59,11 @@ class OuterOptimizer:
             d = torch.mul(d, self.lr)
         return anchor.sub_(d)
 
+    def plain(self) -> bool:
+        """Whether :meth:`step_` is ``anchor <- anchor - d`` (no momentum, lr 1): the landing
+        pass (:func:`comms.outer.passes.land_pass`) then takes the step itself."""
+        return not (self.name == "nesterov" and self.momentum) and self.lr == 1.0
+
     def describe(self) -> str:
         return f"{self.name} lr {self.lr:g}" + (f" momentum {self.momentum:g}" if self.name == "nesterov" else "")
 

@@ -35,6 +35,7 @@ from ..transport.waits import wait
 from ..tuning.router import FixedRouter
 from .fragments import Schedule, split_fragments
 from .optimizers import OuterOptimizer, check_outer
+from .passes import land_pass, send_pass
 
 __all__ = ["OuterSync", "OuterState"]
 
@@ -142,9 +143,8 @@ class OuterSync:
             if self.schedule.delay == 0:
                 self.land(p)
 
-    def _flat(self, group: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        parts = [self.params[i].detach().reshape(-1) for i in group]
-        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+    def _flat(self, group: list[int]) -> torch.Tensor:
+        return torch.cat([self.params[i].detach().reshape(-1) for i in group])
 
     def _buffers(self, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.buffers[p] is None:
@@ -155,14 +155,7 @@ class OuterSync:
     def send(self, p: int) -> None:
         """Start fragment ``p``'s sync: its pseudo-gradient through the engine, not waited."""
         d, local = self._buffers(p)
-        if local is None:  # tau = 0: the average lands now; nothing to keep
-            off = 0
-            for i in self.groups[p]:
-                n = self.params[i].numel()
-                torch.sub(self.anchors[p][off:off + n], self.params[i].detach().reshape(-1), out=d[off:off + n])
-                off += n
-        else:
-            torch.sub(self.anchors[p], self._flat(self.groups[p], out=local), out=d)
+        send_pass(self.anchors[p], [self.params[i] for i in self.groups[p]], d, local)
         st, comm = self.state, self.comm
         route = st.router.route(st, comm, p, self.syncs[p], d.numel(), d.dtype)
         shapes = tuple(tuple(self.params[i].shape) for i in self.groups[p])
@@ -189,27 +182,18 @@ class OuterSync:
         inflight = self.pending.pop(p)
         avg = self._average(p, inflight)
         lo, hi = torch.aminmax(avg)  # one pass; NaN propagates (isfinite().all() took four)
+        step = None  # the plain average's step runs inside the landing pass
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):  # non-finite: keep the last synced values
             logger.warning("commpress: outer sync of fragment %d (sync %d) was not finite on some "
                            "rank: its update is skipped and every replica restarts from the last "
                            "synced parameters", p, self.syncs[p] - 1)
-            new = self.anchors[p]
+        elif self.outer.plain():
+            step = avg
         else:
-            new = self.outer.step_(self.anchors[p], avg, self.outer_state[p])
+            self.outer.step_(self.anchors[p], avg, self.outer_state[p])
         # the delayed update plus what this rank trained meanwhile: each parameter moves by
         # (new synced - what it held at the send), in place (no gathered copy of the parameters)
-        move = None
-        if self.schedule.delay:  # in the buffer that held the local values (no fresh tensor)
-            move = torch.sub(new, inflight["local"], out=inflight["local"])
-        off = 0
-        for i in self.groups[p]:
-            prm, n = self.params[i], self.params[i].numel()
-            with torch.no_grad():
-                if move is None:
-                    prm.copy_(new[off:off + n].view_as(prm))
-                else:
-                    prm.add_(move[off:off + n].view_as(prm))
-            off += n
+        land_pass(self.anchors[p], step, inflight["local"], [self.params[i] for i in self.groups[p]])
         self._maybe_check(p)
 
     def _maybe_check(self, p: int) -> None:

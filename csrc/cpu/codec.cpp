@@ -664,7 +664,7 @@ void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
-API int cp_abi_version() { return 6; }
+API int cp_abi_version() { return 7; }
 
 API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
                         u8* packed, int nth) {
@@ -925,5 +925,56 @@ API void cp_cast_finish(float* x, float* r, const u16* sum, int wdt, i64 n, int 
     const i64 e0 = u0 * U, e1 = std::min(n, u1 * U);
     if (wdt == 1) cast_finish_range<1>(x, r, sum, e0, e1);
     else cast_finish_range<2>(x, r, sum, e0, e1);
+  });
+}
+
+// The outer sync's send of one parameter in one pass (fp32): local <- p (what this rank held
+// when it sent), d <- anchor - p (its pseudo-gradient). The torch twin is the parameter's
+// copy into local, then torch.sub(anchor, local, out=d): the same bits.
+API void cp_outer_sync_send(const float* __restrict__ anchor, const float* __restrict__ p,
+                            float* __restrict__ d, float* __restrict__ local, i64 n, int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    const i64 e1 = std::min(n, u1 * U);
+    i64 i = u0 * U;
+#ifdef __AVX2__
+    // streaming stores: both outputs are far larger than the caches (no read for ownership)
+    for (; i < e1 && (((uintptr_t)(d + i) | (uintptr_t)(local + i)) & 31); ++i) {
+      const float v = p[i];
+      local[i] = v;
+      d[i] = anchor[i] - v;
+    }
+    if ((((uintptr_t)(d + i)) & 31) == 0 && (((uintptr_t)(local + i)) & 31) == 0) {
+      for (; i + 8 <= e1; i += 8) {
+        const __m256 v = _mm256_loadu_ps(p + i);
+        _mm256_stream_ps(local + i, v);
+        _mm256_stream_ps(d + i, _mm256_sub_ps(_mm256_loadu_ps(anchor + i), v));
+      }
+      _mm_sfence();
+    }
+#endif
+    for (; i < e1; ++i) {
+      const float v = p[i];
+      local[i] = v;
+      d[i] = anchor[i] - v;
+    }
+  });
+}
+
+// The outer sync's landing of one parameter in one pass (fp32): where avg is set, the plain
+// average's step anchor <- anchor - avg; then p <- p + (anchor - local) where local is set
+// (the delayed update plus what this rank trained meanwhile), else p <- anchor. The torch twin
+// is anchor.sub_(avg), then p.add_(anchor - local) or p.copy_(anchor): the same bits.
+API void cp_outer_sync_land(float* __restrict__ anchor, const float* __restrict__ avg,
+                            const float* __restrict__ local, float* __restrict__ p, i64 n, int nth) {
+  const i64 U = 1 << 16;
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+    const i64 e1 = std::min(n, u1 * U);
+    for (i64 i = u0 * U; i < e1; ++i) {
+      float a = anchor[i];
+      if (avg) { a = a - avg[i]; anchor[i] = a; }
+      if (local) { const float m = a - local[i]; p[i] = p[i] + m; }
+      else p[i] = a;
+    }
   });
 }
