@@ -148,12 +148,13 @@ def hsdp_synced_at_every_sync(rank, world, spec, n_steps, kw):
     return {"seen": seen, "shard": mesh["shard"].get_local_rank(), "syncs": list(state.outer.syncs)}
 
 
-def auto_switch(rank, world, n_steps, early=False):
+def auto_switch(rank, world, n_steps, early=False, dense_s=1.6):
     """``algorithm="auto"`` with the outer sync's choice forced (loopback is fast: the real
     rule keeps compressing): the switch at a step boundary after the lock gives SGD's momentum
     back, keeps the synced parameters equal, and says so in one WARNING line. ``early``: fake
     step times make the compressed rules beat dense and only a standing leader is moved (the
-    forced choice declines a locked plan): the switch ends the tuning in round 2."""
+    forced choice declines a locked plan): the switch ends the tuning in round 2, or in round 1
+    where dense's fake step (``dense_s``, the compressed rules' 1.0) is twice theirs or more."""
     import logging
 
     import comms.ddp.outer_switch as switch
@@ -180,7 +181,7 @@ def auto_switch(rank, world, n_steps, early=False):
     if early:  # the tiny model's buckets planned, two compressed rules timed against dense
         state.planner.min_numel = 100
         tuner.candidates = ["allgather", "two_phase"]
-        tuner.timing = lambda rule, s: {"dense": 2.0}.get(rule, 1.0)
+        tuner.timing = lambda rule, s: {"dense": dense_s}.get(rule, 1.0)
     taken = opt.param_groups[0]["momentum"]
     _train(model, opt, rank, 0, n_steps)
     outer = state.outer

@@ -104,3 +104,11 @@ def test_auto_switches_when_a_round_ends_with_a_leader():
         assert r["tuning_steps"] < 40 and r["reducer"] is False
         assert len(r["lines"]) == len(r["lock_lines"]) == (rank == 0), r
     assert res[0]["anchors"] == res[1]["anchors"] and res[0]["reason"] == res[1]["reason"]
+
+
+def test_auto_switches_after_round_one_where_dense_takes_twice_the_step():
+    res = spawn(R.auto_switch, 2, 60, True, 2.5, timeout=240)
+    for r in res:
+        assert r["switched"] and r["locked"] and min(r["syncs"]) >= 5, r
+        assert r["reason"].endswith("the outer sync takes over in round 1"), r["reason"]
+    assert res[0]["anchors"] == res[1]["anchors"] and res[0]["tuning_steps"] == res[1]["tuning_steps"]

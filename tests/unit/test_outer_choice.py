@@ -143,11 +143,11 @@ def _tune(tuner, cost, steps):
 def test_the_tuner_offers_its_leader_once_per_round_from_round_two():
     t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
     offered = []
-    for step, _ in _tune(t, {"dense": 1.0, "a": 0.5, "b": 0.55}, 40):
+    for step, _ in _tune(t, {"dense": 1.0, "a": 0.6, "b": 0.65}, 40):
         lead = leader(t)
         if lead is not None:
             offered.append((step, t._rounds, lead[0]))
-            assert dict((r, s) for r, s, _ in lead[1]) == pytest.approx({"dense": 1.0, "a": 0.5, "b": 0.55})
+            assert dict((r, s) for r, s, _ in lead[1]) == pytest.approx({"dense": 1.0, "a": 0.6, "b": 0.65})
         if t.locked:
             break
     rounds = [r for _, r, _ in offered]
@@ -158,7 +158,7 @@ def test_the_tuner_offers_its_leader_once_per_round_from_round_two():
 
 def test_locking_the_leader_says_why_and_when():
     t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
-    for _step, _ in _tune(t, {"dense": 1.0, "a": 0.52, "b": 0.5}, 40):
+    for _step, _ in _tune(t, {"dense": 1.0, "a": 0.62, "b": 0.6}, 40):
         if leader(t) is not None:
             break
     assert not t.locked
@@ -166,3 +166,45 @@ def test_locking_the_leader_says_why_and_when():
     assert t.locked and t.decision == "b" == t.rule
     assert t.reason.endswith("the outer sync takes over in round 2"), t.reason
     assert leader(t) is None and [r for r, _, _ in t.table] == ["dense", "a", "b"]
+
+
+def _tune_by_step(tuner, cost, steps):
+    """Like :func:`_tune`; ``cost(rule, step)`` gives each step's seconds."""
+    clock = 0.0
+    for step in range(steps):
+        yield step, tuner.begin_step(step, clock, lambda: ["a", "b"], lambda v: v)
+        clock += cost(tuner.rule, step)
+
+
+def test_a_rule_at_half_of_dense_leads_after_round_one():
+    # a link that slow: a second round would only add dense steps at twice the compressed step
+    t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
+    for _step, _ in _tune(t, {"dense": 1.0, "a": 0.45, "b": 0.4}, 40):
+        lead = leader(t)
+        if lead is not None:
+            break
+    assert t._rounds == 1 and lead[0] == "b", (t._rounds, lead)
+    assert leader(t) is None  # once per round
+    lock_leader(t, "the outer sync takes over")
+    assert t.locked and t.decision == "b" == t.rule
+    assert t.reason.endswith("the outer sync takes over in round 1"), t.reason
+    assert "round 1" in t.lock_summary()
+
+
+@pytest.mark.parametrize("cost", [
+    lambda r, s: {"dense": 1.0, "a": 0.7, "b": 0.8}[r],  # a faster link: no rule at half of dense
+    # a's first step (its buffers) slower than half of dense's fastest: not at round 1
+    lambda r, s: {"dense": 1.0, "a": 0.4 if s != 2 else 0.55, "b": 0.8}[r],
+    # one fast dense step in round 1 sets the bar
+    lambda r, s: {"dense": 1.0 if s != 1 else 0.7, "a": 0.4, "b": 0.45}[r],
+])
+def test_no_early_leader_without_every_step_at_half_of_dense(cost):
+    t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
+    rounds = []
+    for _step, _ in _tune_by_step(t, cost, 40):
+        lead = leader(t)
+        if lead is not None:
+            rounds.append(t._rounds)
+        if t.locked:
+            break
+    assert 1 not in rounds, rounds
