@@ -1,7 +1,8 @@
 """``choose_outer``: whether ``auto`` communicates every H steps instead of every step, and how.
 
 Once the step autotuner has a per-step plan — at each round's end from round 2 the rule that
-leads (it beat dense with confidence), and at the lock the locked one — the measured steps and
+leads (it beat dense with confidence; after round 1 one at half of dense's step,
+:mod:`comms.tuning.autotune_leader`), and at the lock the locked one — the measured steps and
 the probed cost model say how much of a step the link still costs. A leader that loses to the
 outer sync ends the tuning there: the rounds left would only separate per-step plans, with
 dense's slow steps among them (on the 12.7M transformer at 1 Gb/s they cost 7.6 s of a 73 s
