@@ -8,7 +8,7 @@ from round 2 on. After round 1 (one counted step per rule: no confidence test ap
 rule leads only when each of its steps, its uncounted first step included, takes at most
 :data:`EARLY_LEAD` of dense's fastest step in that round: on a link that slow, a second round
 only adds dense steps at several times the compressed step (the 25M MLP at 1 Gb/s: dense
-1.0 s, qsgd4 0.5 s, the outer sync's step 0.19 s). It is offered once per round, the same on
+1.0 s, qsgd4 0.33 s, the outer sync's step 0.16 s). It is offered once per round, the same on
 every rank (agreed step times).
 """
 
@@ -63,7 +63,8 @@ def leader(t) -> tuple[str, list[tuple[str, float, int]]] | None:
 def lock_leader(t, why: str) -> None:
     """Lock ``t``'s leader now; its reason ends with ``why`` and the round."""
     if t._early_leader is not None and t._rounds == 1:
-        t._lock([t._early_leader], why, reason=(f"every step, the first included, within {EARLY_LEAD:.0%} of "
-                                      f"dense's fastest in round 1; {why} in round 1"))
+        t._lock([t._early_leader], why, reason=(f"every step, the first included, within "
+                                                f"{EARLY_LEAD:.0%} of dense's fastest in round 1; "
+                                                f"{why} in round 1"))
         return
     t._lock(t._winners, f"{why} in round {t._rounds}")
