@@ -205,7 +205,7 @@ class Autotuner(DecisionRules, Watchdog):
         self._check: list[tuple[int, str]] = []  # the watchdog's (step, rule) schedule
         self._locked_at: int | None = None
         self._winners: list[str] = []  # the rules that beat dense at the last round's end
-        self._leader_round, self._early_leader = 0, None  # comms.tuning.autotune_leader's last
+        self._leader_round, self._offered = 0, None  # comms.tuning.autotune_leader's last
         self._lead: str | None = None  # "due": dense's first-round steps run alone; then "done"
         self.screened: dict[str, float] = {}
 

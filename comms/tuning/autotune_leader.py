@@ -46,25 +46,17 @@ def leader(t) -> tuple[str, list[tuple[str, float, int]]] | None:
     phase is locked, or this round's leader was offered already."""
     if t.locked or t._rounds < 1 or t._leader_round == t._rounds:
         return None
-    if t._rounds == 1:
-        rule = _early(t)
-        if rule is None:
-            return None
-        t._early_leader = rule
-    elif not t._winners:
+    rule = _early(t) if t._rounds == 1 else t._pick(t._winners)[0] if t._winners else None
+    if rule is None:
         return None
-    else:
-        t._early_leader = None
-        rule = t._pick(t._winners)[0]
-    t._leader_round = t._rounds
+    t._leader_round, t._offered = t._rounds, rule
     return rule, medians(t)
 
 
 def lock_leader(t, why: str) -> None:
-    """Lock ``t``'s leader now; its reason ends with ``why`` and the round."""
-    if t._early_leader is not None and t._rounds == 1:
-        t._lock([t._early_leader], why, reason=(f"every step, the first included, within "
-                                                f"{EARLY_LEAD:.0%} of dense's fastest in round 1; "
-                                                f"{why} in round 1"))
-        return
-    t._lock(t._winners, f"{why} in round {t._rounds}")
+    """Lock the rule :func:`leader` offered last; its reason ends with ``why`` and the round."""
+    reason = None
+    if t._rounds == 1:  # no confidence test yet: the reason is the round-1 gap
+        reason = (f"every step, the first included, within {EARLY_LEAD:.0%} of dense's fastest "
+                  f"in round 1; {why} in round 1")
+    t._lock([t._offered], f"{why} in round {t._rounds}", reason=reason)
