@@ -118,8 +118,9 @@ class OuterSync:
         self.schedule = Schedule(every, fragments, delay)
         self.groups = split_fragments([p.numel() for p in self.params], fragments)
         self.schedule.fragments = len(self.groups)
+        self.fragment_params = [[self.params[i] for i in g] for g in self.groups]
         self.outer = OuterOptimizer(outer, outer_lr, outer_momentum)
-        self.anchors = [self._flat(g) for g in self.groups]
+        self.anchors = [self._flat(ps) for ps in self.fragment_params]
         # per fragment, allocated at its first send and reused: the pseudo-gradient (the engine
         # feeds and settles it in place) and what this rank held when it was sent (tau > 0).
         # Fresh 4-byte-per-parameter tensors every sync cost more than the passes themselves
@@ -143,8 +144,9 @@ class OuterSync:
             if self.schedule.delay == 0:
                 self.land(p)
 
-    def _flat(self, group: list[int]) -> torch.Tensor:
-        return torch.cat([self.params[i].detach().reshape(-1) for i in group])
+    @staticmethod
+    def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([q.detach().reshape(-1) for q in params])
 
     def _buffers(self, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.buffers[p] is None:
@@ -155,10 +157,10 @@ class OuterSync:
     def send(self, p: int) -> None:
         """Start fragment ``p``'s sync: its pseudo-gradient through the engine, not waited."""
         d, local = self._buffers(p)
-        send_pass(self.anchors[p], [self.params[i] for i in self.groups[p]], d, local)
+        send_pass(self.anchors[p], self.fragment_params[p], d, local)
         st, comm = self.state, self.comm
         route = st.router.route(st, comm, p, self.syncs[p], d.numel(), d.dtype)
-        shapes = tuple(tuple(self.params[i].shape) for i in self.groups[p])
+        shapes = tuple(tuple(q.shape) for q in self.fragment_params[p])
         call = Call(p, self.syncs[p], d, route, div=comm.world_size, shapes=shapes)
         self.pending[p] = {"handle": run(st, comm, call, self.sink), "local": local,
                            "land_at": self.t + self.schedule.delay, "sent": time.monotonic()}
@@ -193,7 +195,7 @@ class OuterSync:
             self.outer.step_(self.anchors[p], avg, self.outer_state[p])
         # the delayed update plus what this rank trained meanwhile: each parameter moves by
         # (new synced - what it held at the send), in place (no gathered copy of the parameters)
-        land_pass(self.anchors[p], step, inflight["local"], [self.params[i] for i in self.groups[p]])
+        land_pass(self.anchors[p], step, inflight["local"], self.fragment_params[p])
         self._maybe_check(p)
 
     def _maybe_check(self, p: int) -> None:
