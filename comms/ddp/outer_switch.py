@@ -20,7 +20,7 @@ import logging
 from ..outer.attach import attach_outer
 from ..outer.optimizers import is_adaptive
 from ..transport.notices import notice
-from ..tuning.autotune_leader import leader as standing_leader, lock_leader
+from ..tuning.autotune_leader import leader as standing_leader, leader_margin, lock_leader
 from ..tuning.outer_choice import choose_outer
 from .layouts import cut
 
@@ -72,7 +72,7 @@ def maybe_switch_to_outer(state, numel: int, dtype) -> bool:
     if not tuner.locked and leader is None:
         return False
     sync, why = choose_outer(state.planner, state.compressor, numel, dtype,
-                             adaptive=is_adaptive(auto[0]), plan=leader)
+                             adaptive=is_adaptive(auto[0]), plan=leader, margin=leader_margin(tuner))
     comm = state.comm()
     if sync is None:
         if tuner.locked:  # decided: say so once

@@ -6,10 +6,12 @@ The leader is the rule the tuner would lock now: the best of those that beat den
 confidence (:meth:`~comms.tuning.autotune_rules.DecisionRules._wins`) at the last round's end,
 from round 2 on. After round 1 (one counted step per rule: no confidence test applies yet) a
 rule leads only when each of its steps, its uncounted first step included, takes at most
-:data:`EARLY_LEAD` of dense's fastest step in that round: on a link that slow, a second round
-only adds dense steps at several times the compressed step (the 25M MLP at 1 Gb/s: dense
-1.0 s, qsgd4 0.33 s, the outer sync's step 0.16 s). It is offered once per round, the same on
-every rank (agreed step times).
+:data:`EARLY_LEAD` of dense's fastest step in that round, and the outer sync must then beat it
+by :data:`EARLY_MARGIN` (:func:`leader_margin`): on a link that slow, a second round only adds
+dense steps at 1.4x the compressed step or more (the 25M MLP at 1 Gb/s: dense 1.0 s, qsgd4
+0.33 s, the outer sync's step 0.16 s; the 12.7M transformer under AdamW: dense 0.81-0.83 s,
+the compressed rules 0.64-0.70x of it, the outer sync's step 0.38-0.43 s, a second round 2 s
+more). A leader at :data:`EARLY_SURE` of dense's step or under needs no margin. It is offered once per round, the same on every rank (agreed step times).
 """
 
 from __future__ import annotations
@@ -18,26 +20,40 @@ import math
 
 from ..algorithms import DENSE
 from .autotune import medians
+from .outer_choice import MARGIN
 
-__all__ = ["EARLY_LEAD", "leader", "lock_leader"]
+__all__ = ["EARLY_LEAD", "EARLY_MARGIN", "EARLY_SURE", "leader", "leader_margin", "lock_leader"]
 
 #: after round 1, a rule leads when every step of it took at most this fraction of dense's
-#: fastest: a gap no load burst fakes (one round at 10 Gb/s: the rules within 0.8-1.2x dense)
-EARLY_LEAD = 0.5
+#: fastest, the cold first one included (one round at 10 Gb/s: the rules within 0.8-1.2x dense)
+EARLY_LEAD = 0.75
+#: a round-1 leader at or under this fraction is weighed as a confirmed one is: a gap no load
+#: burst fakes (the 25M MLP at 1 Gb/s: qsgd4 0.33-0.35 of dense, the outer sync's predicted
+#: step x its extra steps 0.30-0.31: a margin would turn a 2x faster step down)
+EARLY_SURE = 0.5
+#: what the outer sync must win by against a round-1 leader above :data:`EARLY_SURE`, whose step
+#: is one sample (the outer sync's predicted step ran 4-18% above the measured one on the 12.7M
+#: transformer: the margin falls on the safe side)
+EARLY_MARGIN = 0.1
+
+
+def _round_one_gaps(t) -> dict[str, float]:
+    """``{rule: its slowest round-1 step / dense's fastest}`` of the rules with a counted step
+    (empty without a finite dense step)."""
+    steps: dict[str, list[float]] = {}
+    for r, v in t._phase_steps:
+        steps.setdefault(r, []).append(v)
+    dense = steps.pop(DENSE, None)
+    if not dense or not all(math.isfinite(v) for v in dense):
+        return {}
+    return {r: max(vs) / min(dense) for r, vs in steps.items()
+            if vs and t._samples.get(r) and all(math.isfinite(v) for v in vs)}
 
 
 def _early(t) -> str | None:
     """The rule leading after round 1 (see the module docstring), or None."""
-    steps: dict[str, list[float]] = {}
-    for r, v in t._phase_steps:
-        steps.setdefault(r, []).append(v)
-    dense = steps.get(DENSE)
-    if not dense or not all(math.isfinite(v) for v in dense):
-        return None
-    bar = EARLY_LEAD * min(dense)
-    fast = [r for r, vs in steps.items()
-            if r != DENSE and vs and t._samples.get(r) and all(math.isfinite(v) and v <= bar for v in vs)]
-    return min(fast, key=lambda r: max(steps[r])) if fast else None
+    gaps = {r: g for r, g in _round_one_gaps(t).items() if g <= EARLY_LEAD}
+    return min(gaps, key=gaps.get) if gaps else None
 
 
 def leader(t) -> tuple[str, list[tuple[str, float, int]]] | None:
@@ -51,6 +67,16 @@ def leader(t) -> tuple[str, list[tuple[str, float, int]]] | None:
         return None
     t._leader_round, t._offered = t._rounds, rule
     return rule, medians(t)
+
+
+def leader_margin(t) -> float:
+    """How much faster than the plan of autotuner ``t`` the outer sync must step:
+    :data:`EARLY_MARGIN` against a leader after round 1 above :data:`EARLY_SURE` of dense's
+    step, else :data:`~comms.tuning.outer_choice.MARGIN` (from round 2 the confidence test
+    stands behind the leader; a locked plan had its rounds)."""
+    if t.locked or t._rounds != 1:
+        return MARGIN
+    return MARGIN if _round_one_gaps(t).get(t._offered, math.inf) <= EARLY_SURE else EARLY_MARGIN
 
 
 def lock_leader(t, why: str) -> None:

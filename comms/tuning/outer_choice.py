@@ -1,7 +1,7 @@
 """``choose_outer``: whether ``auto`` communicates every H steps instead of every step, and how.
 
 Once the step autotuner has a per-step plan — at each round's end from round 2 the rule that
-leads (it beat dense with confidence; after round 1 one at half of dense's step,
+leads (it beat dense with confidence; after round 1 one within three quarters of dense's step,
 :mod:`comms.tuning.autotune_leader`), and at the lock the locked one — the measured steps and
 the probed cost model say how much of a step the link still costs. A leader that loses to the
 outer sync ends the tuning there: the rounds left would only separate per-step plans, with
@@ -68,11 +68,13 @@ NOT_FOR_OUTER = {"powersgd": "PowerSGD's low-rank pseudo-gradients diverged unde
 
 
 def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False,
-                 plan: tuple[str, list] | None = None) -> tuple[dict | None, str]:
+                 plan: tuple[str, list] | None = None, margin: float = MARGIN) -> tuple[dict | None, str]:
     """``(sync keywords, reason)`` — ``None`` and why not, when per-step compression stays.
     ``adaptive``: the inner optimizer is Adam's family (:func:`comms.outer.optimizers.is_adaptive`).
     ``plan``: ``(rule, table)`` of the per-step plan to weigh (the tuner's standing leader,
-    :func:`comms.tuning.autotune_leader.leader`); default: the tuner's locked plan."""
+    :func:`comms.tuning.autotune_leader.leader`); default: the tuner's locked plan. ``margin``:
+    how much faster the outer sync's predicted step (times its extra steps) must be
+    (:func:`comms.tuning.autotune_leader.leader_margin` for a standing leader)."""
     tuner, model = planner.tuner, planner.model
     if getattr(compressor, "name", None) in NOT_FOR_OUTER:
         return None, NOT_FOR_OUTER[compressor.name]
@@ -112,10 +114,10 @@ def choose_outer(planner, compressor, numel: int, dtype, adaptive: bool = False,
     every = fragments * math.ceil(every / fragments)
     delay = min(every // fragments - 1, math.ceil(sync_s / fragments / compute_s) + 1)
     outer_s = max(compute_s - REDUCER_PASSES * pass_s, 0.2 * dense_s) + codec_s / every
-    if outer_s * extra * (1 + MARGIN) >= best_s:
+    if outer_s * extra * (1 + margin) >= best_s:
         return None, (f"the outer sync's predicted step ({outer_s * 1e3:.0f} ms) times the "
                       f"{extra:g}x steps it needs is not below the per-step plan's "
-                      f"({best_s * 1e3:.0f} ms)" + (f" by {MARGIN:.0%}" if MARGIN else ""))
+                      f"({best_s * 1e3:.0f} ms)" + (f" by {margin:.0%}" if margin else ""))
     sync = {"sync_every": every, "sync_fragments": fragments, "sync_delay": max(0, delay),
             "algorithm": algorithm if algorithm != DENSE else None}
     return sync, (f"the per-step plan {decision!r} steps {best_s * 1e3:.0f} ms against "

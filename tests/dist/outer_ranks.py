@@ -148,13 +148,13 @@ def hsdp_synced_at_every_sync(rank, world, spec, n_steps, kw):
     return {"seen": seen, "shard": mesh["shard"].get_local_rank(), "syncs": list(state.outer.syncs)}
 
 
-def auto_switch(rank, world, n_steps, early=False, dense_s=1.6):
+def auto_switch(rank, world, n_steps, early=False, dense_s=1.25):
     """``algorithm="auto"`` with the outer sync's choice forced (loopback is fast: the real
     rule keeps compressing): the switch at a step boundary after the lock gives SGD's momentum
     back, keeps the synced parameters equal, and says so in one WARNING line. ``early``: fake
     step times make the compressed rules beat dense and only a standing leader is moved (the
     forced choice declines a locked plan): the switch ends the tuning in round 2, or in round 1
-    where dense's fake step (``dense_s``, the compressed rules' 1.0) is twice theirs or more."""
+    where the compressed rules' fake step (1.0) is within three quarters of dense's (``dense_s``)."""
     import logging
 
     import comms.ddp.outer_switch as switch
@@ -166,7 +166,7 @@ def auto_switch(rank, world, n_steps, early=False, dense_s=1.6):
             lines.append(record.getMessage())
 
     logging.getLogger("comms").addHandler(Grab(level=logging.WARNING))
-    def forced(planner, c, n, dt, adaptive=False, plan=None):
+    def forced(planner, c, n, dt, adaptive=False, plan=None, margin=0.0):
         if early and plan is None:
             return None, "a locked plan declined by the test"
         return {"sync_every": 4, "sync_fragments": 2, "sync_delay": 1, "algorithm": "allgather"}, "forced by the test"

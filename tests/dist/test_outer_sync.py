@@ -106,8 +106,8 @@ def test_auto_switches_when_a_round_ends_with_a_leader():
     assert res[0]["anchors"] == res[1]["anchors"] and res[0]["reason"] == res[1]["reason"]
 
 
-def test_auto_switches_after_round_one_where_dense_takes_twice_the_step():
-    res = spawn(R.auto_switch, 2, 60, True, 2.5, timeout=240)
+def test_auto_switches_after_round_one_where_the_rules_step_within_three_quarters_of_dense():
+    res = spawn(R.auto_switch, 2, 60, True, 1.5, timeout=240)
     for r in res:
         assert r["switched"] and r["locked"] and min(r["syncs"]) >= 5, r
         assert r["reason"].endswith("the outer sync takes over in round 1"), r["reason"]

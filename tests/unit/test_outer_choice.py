@@ -9,9 +9,10 @@ import torch
 
 import compressors
 from comms.tuning.autotune import Autotuner
-from comms.tuning.autotune_leader import leader, lock_leader
+from comms.tuning.autotune_leader import EARLY_MARGIN, leader, leader_margin, lock_leader
 from comms.tuning.cost_model import HOOK_PASSES, CostModel, TierCost
-from comms.tuning.outer_choice import MIN_EVERY, OUTER_PASSES, OUTER_STEPS, REDUCER_PASSES, choose_outer
+from comms.tuning.outer_choice import (MARGIN, MIN_EVERY, OUTER_PASSES, OUTER_STEPS, REDUCER_PASSES,
+                                       choose_outer)
 
 
 class _Tuner:
@@ -143,11 +144,11 @@ def _tune(tuner, cost, steps):
 def test_the_tuner_offers_its_leader_once_per_round_from_round_two():
     t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
     offered = []
-    for step, _ in _tune(t, {"dense": 1.0, "a": 0.6, "b": 0.65}, 40):
+    for step, _ in _tune(t, {"dense": 1.0, "a": 0.8, "b": 0.85}, 40):
         lead = leader(t)
         if lead is not None:
             offered.append((step, t._rounds, lead[0]))
-            assert dict((r, s) for r, s, _ in lead[1]) == pytest.approx({"dense": 1.0, "a": 0.6, "b": 0.65})
+            assert dict((r, s) for r, s, _ in lead[1]) == pytest.approx({"dense": 1.0, "a": 0.8, "b": 0.85})
         if t.locked:
             break
     rounds = [r for _, r, _ in offered]
@@ -158,7 +159,7 @@ def test_the_tuner_offers_its_leader_once_per_round_from_round_two():
 
 def test_locking_the_leader_says_why_and_when():
     t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
-    for _step, _ in _tune(t, {"dense": 1.0, "a": 0.62, "b": 0.6}, 40):
+    for _step, _ in _tune(t, {"dense": 1.0, "a": 0.85, "b": 0.8}, 40):
         if leader(t) is not None:
             break
     assert not t.locked
@@ -176,14 +177,17 @@ def _tune_by_step(tuner, cost, steps):
         clock += cost(tuner.rule, step)
 
 
-def test_a_rule_at_half_of_dense_leads_after_round_one():
-    # a link that slow: a second round would only add dense steps at twice the compressed step
+@pytest.mark.parametrize("a, b, margin", [(0.7, 0.65, EARLY_MARGIN), (0.45, 0.4, MARGIN)])
+def test_a_rule_within_three_quarters_of_dense_leads_after_round_one(a, b, margin):
+    # a link that slow: a second round would only add dense steps at 1.4x the compressed step;
+    # with one counted step each the outer sync must win by more, unless dense took twice as long
     t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
-    for _step, _ in _tune(t, {"dense": 1.0, "a": 0.45, "b": 0.4}, 40):
+    for _step, _ in _tune(t, {"dense": 1.0, "a": a, "b": b}, 40):
         lead = leader(t)
         if lead is not None:
             break
     assert t._rounds == 1 and lead[0] == "b", (t._rounds, lead)
+    assert leader_margin(t) == margin
     assert leader(t) is None  # once per round
     lock_leader(t, "the outer sync takes over")
     assert t.locked and t.decision == "b" == t.rule
@@ -192,19 +196,36 @@ def test_a_rule_at_half_of_dense_leads_after_round_one():
 
 
 @pytest.mark.parametrize("cost", [
-    lambda r, s: {"dense": 1.0, "a": 0.7, "b": 0.8}[r],  # a faster link: no rule at half of dense
-    # a's first step (its buffers) slower than half of dense's fastest: not at round 1
-    lambda r, s: {"dense": 1.0, "a": 0.4 if s != 2 else 0.55, "b": 0.8}[r],
+    lambda r, s: {"dense": 1.0, "a": 0.8, "b": 0.85}[r],  # a faster link: no rule within 75% of dense
+    # a's first step (its buffers) slower than 75% of dense's fastest: not at round 1
+    lambda r, s: {"dense": 1.0, "a": 0.4 if s != 2 else 0.8, "b": 0.85}[r],
     # one fast dense step in round 1 sets the bar
-    lambda r, s: {"dense": 1.0 if s != 1 else 0.7, "a": 0.4, "b": 0.45}[r],
+    lambda r, s: {"dense": 1.0 if s != 1 else 0.5, "a": 0.4, "b": 0.45}[r],
 ])
-def test_no_early_leader_without_every_step_at_half_of_dense(cost):
+def test_no_early_leader_without_every_step_within_three_quarters_of_dense(cost):
     t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
     rounds = []
     for _step, _ in _tune_by_step(t, cost, 40):
         lead = leader(t)
         if lead is not None:
             rounds.append(t._rounds)
+            assert leader_margin(t) == MARGIN  # from round 2: the confidence test stands behind it
         if t.locked:
             break
     assert 1 not in rounds, rounds
+
+
+def test_the_early_margin_refuses_an_outer_sync_that_wins_by_less():
+    # the outer sync's predicted step x its extra steps, against the leader's one counted step
+    table = [("dense", 0.9, 1), ("allgather", 0.4, 1)]
+    p = _Planner(1.25e8, table)
+    p.tuner.locked = False
+    c = compressors.from_spec("qsgd:bits=4")
+    sync, why = choose_outer(p, c, 25_000_000, torch.float32, plan=("allgather", table))
+    assert sync is not None, why
+    predicted = float(re.search(r"predicted step (\d+) ms", why).group(1)) * 1e-3 * OUTER_STEPS
+    tight = [("dense", 0.9, 1), ("allgather", predicted * (1 + EARLY_MARGIN / 2), 1)]
+    assert choose_outer(p, c, 25_000_000, torch.float32, plan=("allgather", tight))[0] is not None
+    refused, why = choose_outer(p, c, 25_000_000, torch.float32, plan=("allgather", tight),
+                                margin=EARLY_MARGIN)
+    assert refused is None and f"by {EARLY_MARGIN:.0%}" in why, why
