@@ -5,13 +5,16 @@ the outer sync takes over.
 The leader is the rule the tuner would lock now: the best of those that beat dense with
 confidence (:meth:`~comms.tuning.autotune_rules.DecisionRules._wins`) at the last round's end,
 from round 2 on. After round 1 (one counted step per rule: no confidence test applies yet) a
-rule leads only when each of its steps, its uncounted first step included, takes at most
-:data:`EARLY_LEAD` of dense's fastest step in that round, and the outer sync must then beat it
-by :data:`EARLY_MARGIN` (:func:`leader_margin`): on a link that slow, a second round only adds
-dense steps at 1.4x the compressed step or more (the 25M MLP at 1 Gb/s: dense 1.0 s, qsgd4
-0.33 s, the outer sync's step 0.16 s; the 12.7M transformer under AdamW: dense 0.81-0.83 s,
-the compressed rules 0.64-0.70x of it, the outer sync's step 0.38-0.43 s, a second round 2 s
-more). A leader at :data:`EARLY_SURE` of dense's step or under needs no margin. It is offered once per round, the same on every rank (agreed step times).
+rule leads only when its counted step takes at most :data:`EARLY_LEAD` of dense's fastest step
+in that round and its uncounted first step (its buffers, its first codec calls) no longer than
+dense's fastest; the outer sync must then beat it by :data:`EARLY_MARGIN`
+(:func:`leader_margin`), unless every step of it, the first included, took at most
+:data:`EARLY_SURE` of dense's. On a link that slow a second round only adds dense steps at 1.4x
+the compressed step or more (the 25M MLP at 1 Gb/s: dense 1.0 s, qsgd4 0.33 s, the outer sync's
+step 0.16 s; the 12.7M transformer under AdamW: dense 0.79-0.83 s, the compressed rules' counted
+steps 0.60-0.70x of it and their first steps up to 0.92x, the outer sync's step 0.36-0.43 s, a
+second round 2 s more). It is offered once per round, the same on every rank (agreed step
+times).
 """
 
 from __future__ import annotations
@@ -24,37 +27,42 @@ from .outer_choice import MARGIN
 
 __all__ = ["EARLY_LEAD", "EARLY_MARGIN", "EARLY_SURE", "leader", "leader_margin", "lock_leader"]
 
-#: after round 1, a rule leads when every step of it took at most this fraction of dense's
-#: fastest, the cold first one included (one round at 10 Gb/s: the rules within 0.8-1.2x dense)
+#: after round 1, a rule leads when its counted step took at most this fraction of dense's
+#: fastest (one round at 10 Gb/s: the rules within 0.8-1.2x dense)
 EARLY_LEAD = 0.75
-#: a round-1 leader at or under this fraction is weighed as a confirmed one is: a gap no load
-#: burst fakes (the 25M MLP at 1 Gb/s: qsgd4 0.33-0.35 of dense, the outer sync's predicted
-#: step x its extra steps 0.30-0.31: a margin would turn a 2x faster step down)
+#: a round-1 leader whose every step, the first included, took at most this fraction of dense's
+#: fastest is weighed as a confirmed one is: a gap no load burst fakes (the 25M MLP at 1 Gb/s:
+#: qsgd4 0.33-0.35 of dense, the outer sync's predicted step x its extra steps 0.30-0.31: a
+#: margin would turn a 2x faster step down)
 EARLY_SURE = 0.5
-#: what the outer sync must win by against a round-1 leader above :data:`EARLY_SURE`, whose step
-#: is one sample: the prediction errs slow (4-18% above the measured outer step on the 12.7M
-#: transformer), so the margin adds to one already there; at 10% the transformer's round-1
-#: leaders (469-502 ms against a predicted 397 x 1.05) passed by 2-9% and one run's did not
+#: what the outer sync must win by against any other round-1 leader, whose step is one sample:
+#: the prediction errs slow (4-18% above the measured outer step on the 12.7M transformer), so
+#: the margin adds to one already there; at 10% the transformer's round-1 leaders (469-502 ms
+#: against a predicted 397 x 1.05) passed by 2-9% and one run's did not
 EARLY_MARGIN = 0.05
 
 
-def _round_one_gaps(t) -> dict[str, float]:
-    """``{rule: its slowest round-1 step / dense's fastest}`` of the rules with a counted step
-    (empty without a finite dense step)."""
+def _round_one_gaps(t) -> dict[str, tuple[float, float]]:
+    """``{rule: (its counted step / dense's fastest, its slowest step / dense's fastest)}`` of
+    the rules with a counted step in round 1 (empty without a finite dense step)."""
     steps: dict[str, list[float]] = {}
     for r, v in t._phase_steps:
         steps.setdefault(r, []).append(v)
     dense = steps.pop(DENSE, None)
     if not dense or not all(math.isfinite(v) for v in dense):
         return {}
-    return {r: max(vs) / min(dense) for r, vs in steps.items()
+    fastest = min(dense)
+    return {r: (max(t._samples[r]) / fastest, max(vs) / fastest) for r, vs in steps.items()
             if vs and t._samples.get(r) and all(math.isfinite(v) for v in vs)}
 
 
 def _early(t) -> str | None:
-    """The rule leading after round 1 (see the module docstring), or None."""
-    gaps = {r: g for r, g in _round_one_gaps(t).items() if g <= EARLY_LEAD}
-    return min(gaps, key=gaps.get) if gaps else None
+    """The rule leading after round 1 (see the module docstring), or None: the fastest counted
+    step of those under :data:`EARLY_SURE` in every step (no margin to pay), else of the rest."""
+    gaps = _round_one_gaps(t)
+    sure = {r: g for r, (g, slowest) in gaps.items() if slowest <= EARLY_SURE}
+    lead = sure or {r: g for r, (g, slowest) in gaps.items() if g <= EARLY_LEAD and slowest <= 1.0}
+    return min(lead, key=lead.get) if lead else None
 
 
 def leader(t) -> tuple[str, list[tuple[str, float, int]]] | None:
@@ -77,13 +85,13 @@ def leader_margin(t) -> float:
     stands behind the leader; a locked plan had its rounds)."""
     if t.locked or t._rounds != 1:
         return MARGIN
-    return MARGIN if _round_one_gaps(t).get(t._offered, math.inf) <= EARLY_SURE else EARLY_MARGIN
+    return MARGIN if _round_one_gaps(t).get(t._offered, (0, math.inf))[1] <= EARLY_SURE else EARLY_MARGIN
 
 
 def lock_leader(t, why: str) -> None:
     """Lock the rule :func:`leader` offered last; its reason ends with ``why`` and the round."""
     reason = None
     if t._rounds == 1:  # no confidence test yet: the reason is the round-1 gap
-        reason = (f"every step, the first included, within {EARLY_LEAD:.0%} of dense's fastest "
-                  f"in round 1; {why} in round 1")
+        reason = (f"its counted step within {EARLY_LEAD:.0%} of dense's fastest and its first no "
+                  f"slower in round 1; {why} in round 1")
     t._lock([t._offered], f"{why} in round {t._rounds}", reason=reason)

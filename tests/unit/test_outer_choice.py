@@ -195,10 +195,38 @@ def test_a_rule_within_three_quarters_of_dense_leads_after_round_one(a, b, margi
     assert "round 1" in t.lock_summary()
 
 
+def test_a_slow_first_step_below_dense_still_leads_after_round_one_with_a_margin():
+    # the first step of a rule pays its buffers (the transformer: up to 0.92x dense's step)
+    t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
+    cold = {"dense": 1.0, "a": 0.95, "b": 0.9}
+    first = {}
+    for step, _ in _tune_by_step(t, lambda r, s: cold[r] if first.setdefault(r, s) == s else
+                                 {"dense": 1.0, "a": 0.6, "b": 0.65}[r], 40):
+        lead = leader(t)
+        if lead is not None:
+            break
+    assert t._rounds == 1 and lead[0] == "a", (t._rounds, lead)
+    assert leader_margin(t) == EARLY_MARGIN  # its first step was above half of dense's
+
+
+def test_a_rule_at_half_of_dense_in_every_step_leads_before_a_faster_counted_step():
+    # b's counted step is faster but its first was not within half of dense's: a leads, no margin
+    t = Autotuner(steps_per_trial=2, trials=2, max_steps=40)
+    first = {}
+    for step, _ in _tune_by_step(t, lambda r, s: {"dense": 1.0, "a": 0.45, "b": 0.6}[r]
+                                 if first.setdefault(r, s) == s else
+                                 {"dense": 1.0, "a": 0.34, "b": 0.32}[r], 40):
+        lead = leader(t)
+        if lead is not None:
+            break
+    assert t._rounds == 1 and lead[0] == "a", (t._rounds, lead)
+    assert leader_margin(t) == MARGIN
+
+
 @pytest.mark.parametrize("cost", [
     lambda r, s: {"dense": 1.0, "a": 0.8, "b": 0.85}[r],  # a faster link: no rule within 75% of dense
-    # a's first step (its buffers) slower than 75% of dense's fastest: not at round 1
-    lambda r, s: {"dense": 1.0, "a": 0.4 if s != 2 else 0.8, "b": 0.85}[r],
+    # a's first step (its buffers) slower than dense's fastest: not at round 1
+    lambda r, s: {"dense": 1.0, "a": 0.4 if s != 2 else 1.05, "b": 0.85}[r],
     # one fast dense step in round 1 sets the bar
     lambda r, s: {"dense": 1.0 if s != 1 else 0.5, "a": 0.4, "b": 0.45}[r],
 ])
