@@ -30,7 +30,8 @@ from ..transport.communicator import Communicator, LocalCommunicator, allreduce_
 from .cost_model import ComputeCost, CostModel, TierCost
 from ..transport.waits import wait
 
-__all__ = ["probe", "refine", "shaped_sample", "PROBE_SIZES", "SAMPLE_NUMELS", "PROBE_CAP_BYTES", "COMPUTE_NUMEL"]
+__all__ = ["probe", "refine", "shaped_sample", "PROBE_SIZES", "SAMPLE_NUMELS", "PROBE_CAP_BYTES", "PROBE_SECONDS",
+           "COMPUTE_NUMEL"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,11 @@ logger = logging.getLogger(__name__)
 # on netsim), so a latency fitted there mis-predicts the bucket sizes that matter
 PROBE_SIZES = (128 << 10, 4 << 20)
 SAMPLE_NUMELS = (1 << 12, 1 << 20)  # compressor timing sample sizes
-PROBE_CAP_BYTES = 8 << 20  # refine(): largest probe collective (~70 ms at 1 Gb/s)
+PROBE_CAP_BYTES = 8 << 20  # refine(): largest probe collective (~70 ms at 1 Gb/s) ...
+# ... unless the probed link moves more in PROBE_SECONDS: at 10 Gb/s one 8 MiB allreduce took
+# 7.5-13.7 ms (+-30%) and the 25M model's dense allreduce was predicted at 74-196 ms against
+# 103-127 measured (5 registrations); a 48 MiB one took 54-71 ms (+-13%)
+PROBE_SECONDS = 0.06
 COMPUTE_NUMEL = 1 << 22  # refine(): compute timed at up to 16 MB of fp32 (past the caches)
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                torch.int8, torch.uint8, torch.int32, torch.int64)}
@@ -85,8 +90,9 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
 
     For every ``(tier, collective, wire dtype)`` that a candidate issues for one of
     ``buckets`` (``[(numel, dtype)]``), one timed collective at the largest such size (capped
-    at ``cap_bytes``, so one entry costs about one such collective); the bandwidth is fitted
-    with the tier's latency. Compute (compress/decompress and one local pass) is re-timed at
+    at ``cap_bytes`` or what ``model`` says the link moves in :data:`PROBE_SECONDS`, whichever
+    is larger: one entry costs about one such collective, and on a fast link the one timed op
+    is not lost in its noise); the bandwidth is fitted with the tier's latency. Compute (compress/decompress and one local pass) is re-timed at
     ``min(largest bucket, compute_numel)`` elements and an eighth of that: realistic sizes,
     where caches do not flatter. One MAX over all ranks: every rank holds the same numbers.
     ``buckets`` and ``algorithms`` must be the same on every rank (they decide which
@@ -107,9 +113,9 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
                 if tier in tier_comms and tier_comms[tier].world_size > 1:
                     need[(tier, op, dt)] = max(need.get((tier, op, dt), 0), int(nbytes))
     entries = sorted(need.items())  # the same order on every rank
+    sizes = [_timed_bytes(model.tiers[tier], op, nbytes, cap_bytes) for (tier, op, _), nbytes in entries]
     vec = []
-    for (tier, op, dt), nbytes in entries:
-        size = int(min(max(nbytes, 64 << 10), cap_bytes))
+    for ((tier, op, dt), _), size in zip(entries, sizes):
         vec.append(_time_op(comm, tier_comms[tier], op, _DTYPES[dt], size))
     big = max([n for n, _ in buckets] or [1 << 16])
     n2 = int(max(1 << 16, min(big, compute_numel)))
@@ -121,9 +127,8 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
         vec += _time_compute(comp, (_numel(sample),), 2, sample) if sample else _time_compute(comp, numels, 2)
     vals = allreduce_max(comm, torch.tensor(vec, dtype=torch.float64), f"commpress: cost-model probe MAX-allgather on rank {comm.rank} of {comm.world_size}").tolist()
     tiers = dict(model.tiers)
-    for ((tier, op, dt), nbytes), t in zip(entries, vals):
+    for ((tier, op, dt), _), size, t in zip(entries, sizes, vals):
         base = tiers[tier]
-        size = int(min(max(nbytes, 64 << 10), cap_bytes))
         link = max(t - base.alpha, 0.1 * t, 1e-9)  # noise must not make the link free
         tiers[tier] = base.with_betas({(op, dt): TierCost.factor(op, base.world) * size / link})
     mem = vals[len(entries)] / numels[1] if math.isfinite(vals[len(entries)]) else 0.0
@@ -135,6 +140,15 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
     out = CostModel(tiers, compute, model.local_size, mem)
     logger.info("cost model (refined at bucket sizes): %s", out)
     return out
+
+
+def _timed_bytes(tier: TierCost, op: str, nbytes: int, cap_bytes: int) -> int:
+    """Bytes of :func:`refine`'s timed ``op`` for an entry of ``nbytes``: at least 64 KiB, at
+    most ``nbytes`` and the larger of ``cap_bytes`` and what ``tier`` moves in
+    :data:`PROBE_SECONDS` (the same on every rank: the model is)."""
+    per_byte = TierCost.factor(op, tier.world) / tier.beta_for(op) if tier.beta_for(op) > 0 else 0.0
+    by_time = int(PROBE_SECONDS / per_byte) if per_byte > 0 and math.isfinite(per_byte) else 0
+    return int(min(max(nbytes, 64 << 10), max(cap_bytes, min(by_time, 1 << 40))))
 
 
 def _time(fn, reps: int) -> float:
