@@ -91,7 +91,10 @@ def leader_margin(t) -> float:
 def lock_leader(t, why: str) -> None:
     """Lock the rule :func:`leader` offered last; its reason ends with ``why`` and the round."""
     reason = None
-    if t._rounds == 1:  # no confidence test yet: the reason is the round-1 gap
+    if t._rounds == 1 and leader_margin(t) == MARGIN:  # no confidence test yet: the round-1 gap
+        reason = (f"every step, the first included, within {EARLY_SURE:.0%} of dense's fastest "
+                  f"in round 1; {why} in round 1")
+    elif t._rounds == 1:
         reason = (f"its counted step within {EARLY_LEAD:.0%} of dense's fastest and its first no "
                   f"slower in round 1; {why} in round 1")
     t._lock([t._offered], f"{why} in round {t._rounds}", reason=reason)

@@ -92,8 +92,9 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
     ``buckets`` (``[(numel, dtype)]``), one timed collective at the largest such size (capped
     at ``cap_bytes`` or what ``model`` says the link moves in :data:`PROBE_SECONDS`, whichever
     is larger: one entry costs about one such collective, and on a fast link the one timed op
-    is not lost in its noise); the bandwidth is fitted with the tier's latency. Compute (compress/decompress and one local pass) is re-timed at
-    ``min(largest bucket, compute_numel)`` elements and an eighth of that: realistic sizes,
+    is not lost in its noise); the bandwidth is fitted with the tier's latency. Compute
+    (compress/decompress and one local pass) is re-timed at ``min(largest bucket,
+    compute_numel)`` elements and an eighth of that: realistic sizes,
     where caches do not flatter. One MAX over all ranks: every rank holds the same numbers.
     ``buckets`` and ``algorithms`` must be the same on every rank (they decide which
     collectives run).
@@ -143,8 +144,8 @@ def refine(model: CostModel, comm: Communicator, compressor: Compressor | None, 
 
 
 def _timed_bytes(tier: TierCost, op: str, nbytes: int, cap_bytes: int) -> int:
-    """Bytes of :func:`refine`'s timed ``op`` for an entry of ``nbytes``: at least 64 KiB, at
-    most ``nbytes`` and the larger of ``cap_bytes`` and what ``tier`` moves in
+    """Bytes of :func:`refine`'s timed ``op`` for an entry of ``nbytes``: ``nbytes`` (64 KiB at
+    least), capped at the larger of ``cap_bytes`` and what ``tier`` moves in
     :data:`PROBE_SECONDS` (the same on every rank: the model is)."""
     per_byte = TierCost.factor(op, tier.world) / tier.beta_for(op) if tier.beta_for(op) > 0 else 0.0
     by_time = int(PROBE_SECONDS / per_byte) if per_byte > 0 and math.isfinite(per_byte) else 0

@@ -14,7 +14,7 @@ from comms.transport.communicator import LocalCommunicator
 from comms.tuning.cost_model import HOOK_PASSES, ComputeCost, CostModel, TierCost
 from comms.tuning.plan_table import apply_rule
 from comms.tuning.planner import Planner
-from comms.tuning.probe import refine, shaped_sample
+from comms.tuning.probe import PROBE_CAP_BYTES, PROBE_SECONDS, _timed_bytes, refine, shaped_sample
 from comms.tuning.rule_ranking import propose_rules, tie_cost
 
 
@@ -61,6 +61,18 @@ def test_refine_on_one_rank_times_compute_at_bucket_size():
     cc = r.compute[comp.spec()]
     assert r.mem_per_element > 0 and cc.compress_per_element >= 0 and cc.compress(1 << 18) > 0
     assert r.tiers["flat"].betas == {}  # one rank: nothing to probe, nothing hangs
+
+
+@pytest.mark.parametrize("link, need, expect", [
+    (1.25e8, 100 << 20, PROBE_CAP_BYTES),            # 1 Gb/s: 60 ms move less than the cap
+    (1.25e9, 100 << 20, int(PROBE_SECONDS * 1.25e9)),  # 10 Gb/s: the op takes ~60 ms
+    (1.25e9, 20 << 20, 20 << 20),                    # never more than the buckets need
+    (1.25e9, 1000, 64 << 10),                        # nor under 64 KiB
+])
+def test_refine_times_an_op_long_enough_to_outlast_its_noise(link, need, expect):
+    # a 2-rank ring allreduce moves its payload once over the link: bytes = seconds x link
+    tier = TierCost("flat", 2, 1e-3, link)
+    assert _timed_bytes(tier, "allreduce", need, PROBE_CAP_BYTES) == expect
 
 
 def test_shaped_sample_takes_whole_leading_tensors():

@@ -192,6 +192,7 @@ def test_a_rule_within_three_quarters_of_dense_leads_after_round_one(a, b, margi
     lock_leader(t, "the outer sync takes over")
     assert t.locked and t.decision == "b" == t.rule
     assert t.reason.endswith("the outer sync takes over in round 1"), t.reason
+    assert ("every step, the first included, within 50%" in t.reason) == (margin == MARGIN), t.reason
     assert "round 1" in t.lock_summary()
 
 
