@@ -796,7 +796,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per hook (default: per task, digits 1000, charlm 300, oddconv 500)")
     p.add_argument("--seed", type=int, default=0,
-                   help="model initialisation and batch order (0: the setting of every recorded run; "
+                   help="model initialisation and batch order (each results file's command names its seed; "
                         "the data and the evaluation set stay fixed)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--tail", type=int, default=5, help="evaluations averaged into the final loss")
