@@ -83,18 +83,20 @@ def leader_margin(t) -> float:
     :data:`EARLY_MARGIN` against a leader after round 1 above :data:`EARLY_SURE` of dense's
     step, else :data:`~comms.tuning.outer_choice.MARGIN` (from round 2 the confidence test
     stands behind the leader; a locked plan had its rounds)."""
-    if t.locked or t._rounds != 1:
-        return MARGIN
-    return MARGIN if _round_one_gaps(t).get(t._offered, (0, math.inf))[1] <= EARLY_SURE else EARLY_MARGIN
+    return EARLY_MARGIN if not t.locked and t._rounds == 1 and not _sure(t) else MARGIN
+
+
+def _sure(t) -> bool:
+    """Whether every round-1 step of the rule :func:`leader` offered, the first included, took
+    at most :data:`EARLY_SURE` of dense's fastest."""
+    return _round_one_gaps(t).get(t._offered, (0.0, math.inf))[1] <= EARLY_SURE
 
 
 def lock_leader(t, why: str) -> None:
     """Lock the rule :func:`leader` offered last; its reason ends with ``why`` and the round."""
     reason = None
-    if t._rounds == 1 and leader_margin(t) == MARGIN:  # no confidence test yet: the round-1 gap
-        reason = (f"every step, the first included, within {EARLY_SURE:.0%} of dense's fastest "
-                  f"in round 1; {why} in round 1")
-    elif t._rounds == 1:
-        reason = (f"its counted step within {EARLY_LEAD:.0%} of dense's fastest and its first no "
-                  f"slower in round 1; {why} in round 1")
+    if t._rounds == 1:  # no confidence test yet: the reason is the round-1 gap
+        gap = (f"every step, the first included, within {EARLY_SURE:.0%} of dense's fastest" if _sure(t)
+               else f"its counted step within {EARLY_LEAD:.0%} of dense's fastest and its first no slower")
+        reason = f"{gap} in round 1; {why} in round 1"
     t._lock([t._offered], f"{why} in round {t._rounds}", reason=reason)

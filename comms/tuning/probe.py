@@ -147,9 +147,9 @@ def _timed_bytes(tier: TierCost, op: str, nbytes: int, cap_bytes: int) -> int:
     """Bytes of :func:`refine`'s timed ``op`` for an entry of ``nbytes``: ``nbytes`` (64 KiB at
     least), capped at the larger of ``cap_bytes`` and what ``tier`` moves in
     :data:`PROBE_SECONDS` (the same on every rank: the model is)."""
-    per_byte = TierCost.factor(op, tier.world) / tier.beta_for(op) if tier.beta_for(op) > 0 else 0.0
-    by_time = int(PROBE_SECONDS / per_byte) if per_byte > 0 and math.isfinite(per_byte) else 0
-    return int(min(max(nbytes, 64 << 10), max(cap_bytes, min(by_time, 1 << 40))))
+    beta, factor = tier.beta_for(op), TierCost.factor(op, tier.world)
+    by_time = int(PROBE_SECONDS * beta / factor) if factor > 0 and 0 < beta < math.inf else 0
+    return int(min(max(nbytes, 64 << 10), max(cap_bytes, by_time)))
 
 
 def _time(fn, reps: int) -> float:
