@@ -52,7 +52,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math",
          "-shared", "-fPIC", "-pthread", "-fvisibility=hidden")
 
 #: the ``cp_abi_version()`` this module's declarations match (a stale build is rebuilt)
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": CDLL or None once tried; "error": why not
@@ -167,7 +167,7 @@ def _declare(c) -> None:
     c.cp_div_add.restype = None
     c.cp_cast_finish.argtypes = [P, P, P, I, I64, I]
     c.cp_cast_finish.restype = None
-    c.cp_outer_sync_send.argtypes = [P, P, P, P, I64, I]
+    c.cp_outer_sync_send.argtypes = [P, P, P, P, I64, F, P, I]
     c.cp_outer_sync_send.restype = None
     c.cp_outer_sync_land.argtypes = [P, P, P, P, I64, I]
     c.cp_outer_sync_land.restype = None

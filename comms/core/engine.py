@@ -69,6 +69,9 @@ class Call:
         shapes: the parameter shapes ``x`` is made of (``()``: unknown).
         dest: where the sink lands the result (its own business: a split bucket's scatter,
             FSDP's output shard and divide factor).
+        amax: the fp32 bits of the largest ``|x|`` where the adapter's own compiled pass wrote
+            ``x`` (the outer sync's send): the non-finite flag's pass is spared when no local
+            step or residual rewrites ``x`` (:func:`comms.core.stages.feed_`); else ``None``.
     """
 
     index: int
@@ -80,6 +83,7 @@ class Call:
     mbar: Any = None
     shapes: tuple = ()
     dest: Any = None
+    amax: int | None = None
     params: Any = ()
 
 
@@ -140,7 +144,7 @@ def run(st, comm, call: Call, sink: Sink):
         return _dense(st, comm, call, sink, None, "dense (warm-up)", lock=False)
     if call.mbar is not None:
         st.adam.mark(call.params, call.step)
-    amax = feed_(st, idx, x, call.div, call.limit, call.mbar)
+    amax = feed_(st, idx, x, call.div, call.limit, call.mbar, written=call.amax)
     if switched is not None:
         _flush(st, comm, call, switched)
         amax = None

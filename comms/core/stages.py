@@ -66,6 +66,11 @@ def local_(st, index: int, x: torch.Tensor, div: int = 1, limit: float | None = 
         x.div_(div)
 
 
+def _no_local_steps(st, div: int, mbar) -> bool:
+    """Whether :func:`local_` leaves ``x`` as it is (no share to take, no clip, no momentum)."""
+    return div == 1 and st.clip_norm is None and mbar is None and st.momentum is None
+
+
 def local_flagged(st, index: int, x: torch.Tensor, div: int, limit: float | None,
                   mbar: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`local_` on a dense step, then the non-finite flag of what it sends: a NaN that
@@ -76,18 +81,23 @@ def local_flagged(st, index: int, x: torch.Tensor, div: int, limit: float | None
 
 
 def feed_(st, index: int, x: torch.Tensor, div: int, limit: float | None,
-          mbar: torch.Tensor | None = None) -> int | None:
+          mbar: torch.Tensor | None = None, written: int | None = None) -> int | None:
     """The local steps and error feedback in place: ``x <- local(x) + r``, with ``x + r``
     scaled down to at most ``residual_bound * |local(x)|`` when a bound is set. One compiled
     pass where possible (the division, momentum and residual; the same bits as in turn).
+    ``written``: the fp32 bits of the largest ``|x|`` as handed over (a compiled pass of the
+    adapter wrote ``x``), or ``None``.
 
     Returns:
         The fp32 bits of the largest ``|x|`` the compiled pass wrote (for
-        :func:`nonfinite_flag`), or ``None`` where the torch path ran.
+        :func:`nonfinite_flag`) — ``written`` where nothing here rewrites ``x`` — or ``None``
+        where the torch path ran.
     """
     mem, bound = st.memory, st.residual_bound
     fused = st.error_feedback and bound is None and st.clip_norm is None and mbar is None
     mem.last_amax = None
+    if not st.error_feedback and _no_local_steps(st, div, mbar):
+        return written
     if fused and st.momentum is not None:
         mem.momentum_residual_(index, x, st.momentum, div)
     elif fused:  # the division and the residual in one pass

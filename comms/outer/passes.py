@@ -4,14 +4,17 @@ its pseudo-gradient) and the landing (the synced parameters' step, each paramete
 Each runs as one compiled pass per parameter (``csrc/cpu/codec.cpp``: ``cp_outer_sync_send``,
 ``cp_outer_sync_land``) for fp32 CPU tensors, else as torch operations — the twin that gives
 the same bits (the oracle of ``tests/unit/test_outer_passes.py``). On the 25M MLP the torch
-form took five passes of a 12.5M-element fragment where the compiled form takes two
-(docs/design-notes.md, "Outer sync").
+form took five passes of a 12.5M-element fragment where the compiled form takes two; the send
+also takes this rank's share and the largest ``|d|``, which spares the engine its division and
+its non-finite flag's passes (docs/design-notes.md, "Outer sync").
 
 Layout: ``anchor`` (and ``d``, ``local``, ``avg``) are flat over the fragment's parameters in
 order; parameter ``i`` of the fragment is the slice ``[off, off + numel)``.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -35,22 +38,34 @@ def _slices(params: list[torch.Tensor]):
 
 
 def send_pass(anchor: torch.Tensor, params: list[torch.Tensor], d: torch.Tensor,
-              local: torch.Tensor | None) -> None:
-    """``d <- anchor - params`` and, where ``local`` is given, ``local <- params``."""
+              local: torch.Tensor | None, div: int = 1) -> int | None:
+    """``d <- (anchor - params) / div`` (this rank's share of the pseudo-gradient) and, where
+    ``local`` is given, ``local <- params``.
+
+    Returns:
+        The fp32 bits of the largest ``|d|`` written (NaN above inf: the engine's non-finite
+        flag without another pass, :func:`comms.core.stages.nonfinite_flag`), or ``None``
+        where the torch twin ran for some parameter.
+    """
+    amax: int | None = 0
     for p, off, n in _slices(params):
         x = p.detach()
         a, dd = anchor[off:off + n], d[off:off + n]
-        if local is None:
-            torch.sub(a, x.reshape(-1), out=dd)
-            continue
-        ll = local[off:off + n]
-        c = _compiled(a, x, dd, ll)
+        ll = None if local is None else local[off:off + n]
+        c = _compiled(*(t for t in (a, x, dd, ll) if t is not None))
         if c is not None:
-            c.cp_outer_sync_send(a.data_ptr(), x.data_ptr(), dd.data_ptr(), ll.data_ptr(), n,
-                                 cpu_kernels.threads())
-        else:
+            bits = ctypes.c_uint32(0)
+            c.cp_outer_sync_send(a.data_ptr(), x.data_ptr(), dd.data_ptr(), 0 if ll is None else ll.data_ptr(),
+                                 n, float(div), ctypes.addressof(bits), cpu_kernels.threads())
+            amax = None if amax is None else max(amax, bits.value)
+            continue
+        amax = None
+        if ll is not None:
             ll.copy_(x.reshape(-1))
-            torch.sub(a, ll, out=dd)
+        torch.sub(a, x.reshape(-1), out=dd)
+        if div != 1:
+            dd.div_(div)
+    return amax
 
 
 def land_pass(anchor: torch.Tensor, avg: torch.Tensor | None, local: torch.Tensor | None,

@@ -157,11 +157,12 @@ class OuterSync:
     def send(self, p: int) -> None:
         """Start fragment ``p``'s sync: its pseudo-gradient through the engine, not waited."""
         d, local = self._buffers(p)
-        send_pass(self.anchors[p], self.fragment_params[p], d, local)
         st, comm = self.state, self.comm
+        # this rank's share taken and the non-finite flag's max |d| found in the same pass
+        amax = send_pass(self.anchors[p], self.fragment_params[p], d, local, div=comm.world_size)
         route = st.router.route(st, comm, p, self.syncs[p], d.numel(), d.dtype)
         shapes = tuple(tuple(q.shape) for q in self.fragment_params[p])
-        call = Call(p, self.syncs[p], d, route, div=comm.world_size, shapes=shapes)
+        call = Call(p, self.syncs[p], d, route, shapes=shapes, amax=amax)
         self.pending[p] = {"handle": run(st, comm, call, self.sink), "local": local,
                            "land_at": self.t + self.schedule.delay, "sent": time.monotonic()}
         self.syncs[p] += 1
@@ -184,18 +185,19 @@ class OuterSync:
         inflight = self.pending.pop(p)
         avg = self._average(p, inflight)
         lo, hi = torch.aminmax(avg)  # one pass; NaN propagates (isfinite().all() took four)
-        step = None  # the plain average's step runs inside the landing pass
+        step, local = None, inflight["local"]  # the plain average's step runs inside the landing pass
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):  # non-finite: keep the last synced values
             logger.warning("commpress: outer sync of fragment %d (sync %d) was not finite on some "
                            "rank: its update is skipped and every replica restarts from the last "
                            "synced parameters", p, self.syncs[p] - 1)
+            local = None  # what was trained since the send is dropped too: it may hold the NaN
         elif self.outer.plain():
             step = avg
         else:
             self.outer.step_(self.anchors[p], avg, self.outer_state[p])
         # the delayed update plus what this rank trained meanwhile: each parameter moves by
         # (new synced - what it held at the send), in place (no gathered copy of the parameters)
-        land_pass(self.anchors[p], step, inflight["local"], self.fragment_params[p])
+        land_pass(self.anchors[p], step, local, self.fragment_params[p])
         self._maybe_check(p)
 
     def _maybe_check(self, p: int) -> None:

@@ -664,7 +664,7 @@ void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
 }  // namespace
 
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
-API int cp_abi_version() { return 7; }
+API int cp_abi_version() { return 8; }
 
 API void cp_qsgd_encode(const void* x, int dt, i64 n, i64 chunk, int bits, u32 key, float* scales,
                         u8* packed, int nth) {
@@ -929,36 +929,52 @@ API void cp_cast_finish(float* x, float* r, const u16* sum, int wdt, i64 n, int 
 }
 
 // The outer sync's send of one parameter in one pass (fp32): local <- p (what this rank held
-// when it sent), d <- anchor - p (its pseudo-gradient). The torch twin is the parameter's
-// copy into local, then torch.sub(anchor, local, out=d): the same bits.
+// when it sent; skipped where local is null), d <- (anchor - p) / div (this rank's share of
+// the pseudo-gradient). amax (if not null): the largest |d| written, as its fp32 bits (NaN
+// above inf), for the non-finite flag without another pass. The torch twin is the parameter's
+// copy into local, torch.sub(anchor, p, out=d), then d.div_(div): the same bits.
 API void cp_outer_sync_send(const float* __restrict__ anchor, const float* __restrict__ p,
-                            float* __restrict__ d, float* __restrict__ local, i64 n, int nth) {
+                            float* __restrict__ d, float* __restrict__ local, i64 n, float div,
+                            u32* amax, int nth) {
   const i64 U = 1 << 16;
-  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int) {
+  std::vector<u32> part(std::max(1, nth), 0u);
+  parallel_for(nth, (n + U - 1) / U, [&](i64 u0, i64 u1, int t) {
     const i64 e1 = std::min(n, u1 * U);
     i64 i = u0 * U;
+    u32 mx = 0;
+    auto one = [&](i64 k) {
+      const float v = p[k];
+      if (local) local[k] = v;
+      const float q = (anchor[k] - v) / div;
+      d[k] = q;
+      u32 b; std::memcpy(&b, &q, 4); b &= 0x7fffffffu;
+      mx = b > mx ? b : mx;
+    };
 #ifdef __AVX2__
-    // streaming stores: both outputs are far larger than the caches (no read for ownership)
-    for (; i < e1 && (((uintptr_t)(d + i) | (uintptr_t)(local + i)) & 31); ++i) {
-      const float v = p[i];
-      local[i] = v;
-      d[i] = anchor[i] - v;
-    }
-    if ((((uintptr_t)(d + i)) & 31) == 0 && (((uintptr_t)(local + i)) & 31) == 0) {
+    // streaming stores: the outputs are far larger than the caches (no read for ownership)
+    const uintptr_t lo = local ? (uintptr_t)local : 0;
+    for (; i < e1 && ((((uintptr_t)(d + i)) | (local ? (uintptr_t)(local + i) : 0)) & 31); ++i) one(i);
+    if ((((uintptr_t)(d + i)) & 31) == 0 && (lo == 0 || (((uintptr_t)(local + i)) & 31) == 0)) {
+      const __m256 dv = _mm256_set1_ps(div);
+      const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+      __m256i vmx = _mm256_setzero_si256();
       for (; i + 8 <= e1; i += 8) {
         const __m256 v = _mm256_loadu_ps(p + i);
-        _mm256_stream_ps(local + i, v);
-        _mm256_stream_ps(d + i, _mm256_sub_ps(_mm256_loadu_ps(anchor + i), v));
+        if (local) _mm256_stream_ps(local + i, v);
+        const __m256 q = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(anchor + i), v), dv);
+        _mm256_stream_ps(d + i, q);
+        vmx = _mm256_max_epu32(vmx, _mm256_and_si256(_mm256_castps_si256(q), abs_mask));
       }
       _mm_sfence();
+      alignas(32) u32 lanes[8];
+      _mm256_store_si256((__m256i*)lanes, vmx);
+      for (u32 b : lanes) mx = b > mx ? b : mx;
     }
 #endif
-    for (; i < e1; ++i) {
-      const float v = p[i];
-      local[i] = v;
-      d[i] = anchor[i] - v;
-    }
+    for (; i < e1; ++i) one(i);
+    part[t] = part[t] > mx ? part[t] : mx;
   });
+  if (amax) { u32 a = 0; for (u32 q : part) a = q > a ? q : a; *amax = a; }
 }
 
 // The outer sync's landing of one parameter in one pass (fp32): where avg is set, the plain

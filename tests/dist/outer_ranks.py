@@ -46,6 +46,43 @@ def synced_at_every_sync(rank, world, spec, n_steps, kw):
             "reducer": model.require_backward_grad_sync}
 
 
+def nonfinite_pseudo_gradient(rank, world, spec, kw):
+    """Rank 0's parameters turn NaN after step 5 (H 4: fragment 0 is sent after step 7, landed
+    ``sync_delay`` steps later). Plain SGD inside, whose state a NaN cannot poison (AdamW's
+    moments would keep the NaN: the inner optimizer's state is the user's). Returns the
+    anchors (as fingerprints) before that sync and after its landing, whether the anchors and
+    the local parameters are finite after it and at the end, and what every rank logged."""
+    import logging
+
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = comms.register(model, spec, optimizer=opt, **kw)
+    logged = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    logging.getLogger("comms.outer.sync").addHandler(Keep())
+    snap = {}
+
+    def after(s):
+        if s == 5:
+            snap["before"] = [param_fingerprint(a).tolist() for a in state.outer.anchors]
+            if rank == 0:
+                with torch.no_grad():
+                    next(model.module.parameters()).fill_(float("nan"))
+        if s == 7 + kw.get("sync_delay", 0):  # the sync sent after step 7 has landed
+            snap["after"] = [param_fingerprint(a).tolist() for a in state.outer.anchors]
+            snap["finite"] = (all(bool(torch.isfinite(a).all()) for a in state.outer.anchors)
+                              and bool(torch.isfinite(flat_params(model.module)).all()))
+
+    _train(model, opt, rank, 0, 14, after)
+    return {**snap, "logged": logged, "syncs": list(state.outer.syncs),
+            "finite_end": bool(torch.isfinite(flat_params(model.module)).all())}
+
+
 def resume_mid_period(rank, world, spec, ckpt_dir, n_steps, at, kw):
     """``n_steps`` straight against ``at`` steps, a checkpoint (model, this rank's optimizer
     and commpress state), a fresh model/optimizer/state loading it, then the rest."""

@@ -36,6 +36,22 @@ def test_resume_mid_period_is_bitwise(tmp_path):
         assert torch.equal(r["straight"], r["resumed"])
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("spec,kw", [
+    ("qsgd:bits=4", dict(sync_every=4)),
+    ("sign", dict(sync_every=4, sync_delay=1)),
+], ids=["qsgd4-tau0", "sign-tau1"])
+def test_a_nonfinite_pseudo_gradient_on_one_rank_is_skipped_on_every_rank(spec, kw):
+    # the flag is found in the send's own pass (no error feedback: qsgd) or in the residual's
+    # (sign): every rank skips the update and restarts from the last synced parameters
+    res = spawn(R.nonfinite_pseudo_gradient, 2, spec, kw, timeout=200)
+    for r in res:
+        assert r["after"] == r["before"] == res[0]["before"]  # the synced values kept, bit for bit
+        assert r["finite"] and r["finite_end"], r
+        assert any("was not finite on some rank" in m for m in r["logged"]), r["logged"]
+        assert r["syncs"] == [3]  # after steps 3, 7 and 11: the sync after the skip ran too
+
+
 def test_bad_options_raise_before_anything_changes():
     e = spawn(R.bad_options, 1, timeout=120)[0]
     assert "sync_every must be an int >= 1" in e["every0"] and "-1" in e["every0"]

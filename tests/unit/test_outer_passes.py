@@ -25,10 +25,11 @@ def _flat(ps):
     return torch.cat([p.reshape(-1) for p in ps])
 
 
-def _reference(anchor, avg, ps_sent, ps_now, delay: bool):
-    """The unfused form: gather, subtract, the plain step, each parameter's move."""
+def _reference(anchor, avg, ps_sent, ps_now, delay: bool, div: int = 1):
+    """The unfused form: gather, subtract, this rank's share, the plain step, each parameter's
+    move."""
     local = _flat(ps_sent)
-    d = torch.sub(anchor, local)
+    d = torch.sub(anchor, local).div_(div)
     new = anchor.clone()
     if avg is not None:
         new.sub_(avg)
@@ -45,10 +46,10 @@ def _reference(anchor, avg, ps_sent, ps_now, delay: bool):
     return d, new, out
 
 
-def _run(anchor, avg, ps_sent, drift, delay: bool):
+def _run(anchor, avg, ps_sent, drift, delay: bool, div: int = 1):
     ps = [p.clone() for p in ps_sent]
     d, local = torch.empty_like(anchor), (torch.empty_like(anchor) if delay else None)
-    send_pass(anchor, ps, d, local)
+    send_pass(anchor, ps, d, local, div=div)
     d_sent = d.clone()
     for p, m in zip(ps, drift):  # what the rank trains while the fragment travels
         p.add_(m)
@@ -61,7 +62,8 @@ def _run(anchor, avg, ps_sent, drift, delay: bool):
 @pytest.mark.parametrize("delay", [True, False])
 @pytest.mark.parametrize("step", [True, False])
 @pytest.mark.parametrize("nonfinite", [False, True])
-def test_passes_match_the_unfused_reference(monkeypatch, threads, delay, step, nonfinite):
+@pytest.mark.parametrize("div", [1, 3])
+def test_passes_match_the_unfused_reference(monkeypatch, threads, delay, step, nonfinite, div):
     ps = _params(1, nonfinite)
     g = torch.Generator().manual_seed(2)
     anchor = _flat(ps) + torch.randn(sum(p.numel() for p in ps), generator=g)
@@ -73,16 +75,35 @@ def test_passes_match_the_unfused_reference(monkeypatch, threads, delay, step, n
         runs = {}
         for switch in ("1", "0"):
             monkeypatch.setenv(cpu_kernels.ENV_SWITCH, switch)
-            runs[switch] = _run(anchor, avg, ps, drift, delay)
+            runs[switch] = _run(anchor, avg, ps, drift, delay, div)
     finally:
         torch.set_num_threads(old)
     ps_now = [p + m for p, m in zip(ps, drift)]
-    ref_d, ref_anchor, ref_ps = _reference(anchor, avg, ps, ps_now, delay)
+    ref_d, ref_anchor, ref_ps = _reference(anchor, avg, ps, ps_now, delay, div)
     for d, a, out in runs.values():
         assert torch.equal(d.view(torch.int32), ref_d.view(torch.int32))
         assert torch.equal(a.view(torch.int32), ref_anchor.view(torch.int32))
         for q, r in zip(out, ref_ps):
             assert torch.equal(q.view(torch.int32), r.view(torch.int32))
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("delay", [True, False])
+def test_send_reports_the_largest_magnitude_it_wrote(monkeypatch, nonfinite, delay):
+    """The compiled send returns the fp32 bits of max |d| (NaN above inf): the engine's
+    non-finite flag from it equals the flag of one sum over d; the torch twin returns None."""
+    from comms.core.stages import nonfinite_flag
+    ps = _params(3, nonfinite)[:-1]  # contiguous only: every parameter in the compiled pass
+    anchor = _flat(ps) * 0.5
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, switch)
+        d, local = torch.empty_like(anchor), (torch.empty_like(anchor) if delay else None)
+        amax = send_pass(anchor, ps, d, local, div=2)
+        if switch == "0" or cpu_kernels.lib() is None:
+            assert amax is None
+            continue
+        assert amax == int((d.view(torch.int32) & 0x7FFFFFFF).max())
+        assert bool(nonfinite_flag(d, amax)) == bool(nonfinite_flag(d)) == nonfinite
 
 
 def test_compiled_pass_runs_where_a_compiler_is():
