@@ -19,7 +19,11 @@ world size 1, in the round's interleaved blocks; ``--no-floor`` drops it) and ea
 ``--control ALG`` adds a second, identical ``<spec>@ALG`` row (``--control dense``: of
 dense) named ``... (copy)``, never a candidate either: its per-round ratio to the first copy
 (``copy_vs_pin``) is what the same plan measures against itself in one round, the noise floor
-under every per-tuning ratio. Each group's verdict line also pools its rounds: the geometric
+under every per-tuning ratio. With ``optimizer=`` (``--pairing optimizer``, the default) auto
+weighs a compressed plan by its steps to dense's loss as well as its step
+(:mod:`comms.tuning.quality_cost`): the verdict compares it with the fixed choice — dense or a
+pin — fastest counted the same way (``vs_best_to_quality``), the step-time ratio beside it
+(``vs_best_fixed``). Each group's verdict line also pools its rounds: the geometric
 mean of the per-round ratios with +-2 standard errors (:func:`pooled_ratio`), a systematic gap
 that no single round can resolve.
 Step times: the median of ``--steps`` counted steps after a warm-up (``--warmup`` steps for
@@ -59,7 +63,8 @@ logger = logging.getLogger(__name__)
 COLUMNS = ["group", "hook", "algorithm", "buckets", "step_ms", "p90_ms", "speedup", "vs_best_fixed", "wire_MB",
            "raw_ms", "rounds_ms"]
 TUNING_COLUMNS = ["group", "round", "locked", "tuned", "retuned", "auto_ms", "dense_ms", "best_fixed",
-                  "best_fixed_ms", "vs_dense", "vs_best_fixed", "torch_hook", "vs_torch", "copy_vs_pin"]
+                  "best_fixed_ms", "vs_dense", "vs_best_fixed", "best_to_quality", "vs_best_to_quality",
+                  "torch_hook", "vs_torch", "copy_vs_pin"]
 COPY = " (copy)"  # --control: the name suffix of the identical second row
 TORCH_HOOKS = ("match", "all", "none")
 # the tuner's targets for every tuning in steady state, and the decision's consistency
@@ -67,38 +72,62 @@ MIN_VS_BEST_FIXED, MIN_VS_DENSE, MIN_SAME_DECISION = 0.95, 0.97, 0.8
 
 
 def tuning_rows(spec_label: str, times: dict, autos: list, fixed: list, torch_rows: tuple = (),
-                copies: tuple = ()) -> list[dict]:
+                copies: tuple = (), steps: float = 1.0) -> list[dict]:
     """One row per tuning (= per round): what auto locked and its steady-state step against
     dense, the best fixed compressed algorithm and torch's hook (the first of ``torch_rows``,
     if any), all measured in the SAME round. The best fixed algorithm is the one with the
     lowest median over all rounds (the minimum of several noisy fixed rows within one round
     would be biased low). ``copies`` (``--control``): the name of an identical second row of a
-    fixed plan; ``copy_vs_pin`` is the first row's step over the copy's, the same round."""
+    fixed plan; ``copy_vs_pin`` is the first row's step over the copy's, the same round.
+
+    ``steps``: the compressor's steps to dense's loss per dense step, as auto counts them
+    (:func:`comms.tuning.quality_cost.steps_for_dense_loss`; 1 without ``optimizer=``).
+    Counted to quality, a compressed step costs ``steps`` times its time: ``best_to_quality``
+    is the fixed choice — dense or a compressed pin — fastest to dense's loss by that count,
+    and ``vs_best_to_quality`` its counted step over auto's (auto's counted the same way)."""
     out = []
     auto_name = next(n for n in times if n.startswith("auto("))
     th = torch_rows[0] if torch_rows else None
     best = min(fixed, key=lambda n: statistics.median(times[n])) if fixed else None
+    counted = {"dense": 1.0, **{n: steps for n in fixed}}
+    best_q = min(counted, key=lambda n: counted[n] * statistics.median(times[n]))
     copy = copies[0] if copies else None
     for rnd, row in enumerate(autos):
         a, d = times[auto_name][rnd], times["dense"][rnd]
         b = times[best][rnd] if best else float("nan")
+        a_q = a * (1.0 if row["algorithm"] in ("dense", "auto:dense") else steps)
         out.append({"group": spec_label, "round": rnd, "locked": row["algorithm"], "tuned": row.get("tuned", ""),
                     "retuned": "yes" if row.get("retuned") else "-",
                     "auto_ms": a, "dense_ms": d, "best_fixed": best or "-", "best_fixed_ms": b,
-                    "vs_dense": d / a, "vs_best_fixed": b / a, "torch_hook": th or "-",
+                    "vs_dense": d / a, "vs_best_fixed": b / a, "best_to_quality": best_q,
+                    "vs_best_to_quality": counted[best_q] * times[best_q][rnd] / a_q,
+                    "torch_hook": th or "-",
                     "vs_torch": times[th][rnd] / a if th else float("nan"),
                     "copy_vs_pin": (times[copy[: -len(COPY)]][rnd] / times[copy][rnd]) if copy else float("nan")})
     return out
 
 
+def steps_to_quality(spec: str, args) -> float:
+    """What auto counts per step of ``spec`` (the bench's SGD): its steps to dense's loss
+    with ``optimizer=`` (``--pairing optimizer``, the default), else 1."""
+    from compressors import from_spec
+    from comms.tuning.quality_cost import steps_for_dense_loss
+
+    if getattr(args, "pairing", "optimizer") != "optimizer":
+        return 1.0
+    return steps_for_dense_loss(from_spec(spec))
+
+
 def tuning_verdict(rows: list[dict]) -> str:
-    """Against the tuner's targets: every tuning >= 0.95x the best fixed and >= 0.97x dense; the
+    """Against the tuner's targets: every tuning >= 0.95x the best fixed choice counted to
+    quality (``vs_best_to_quality``; the step-time ratio beside it) and >= 0.97x dense; the
     same decision in >= 80% of the tunings."""
     from collections import Counter
 
     decisions = Counter(r["locked"] for r in rows)
     top, n = decisions.most_common(1)[0]
     worst_fixed = min(r["vs_best_fixed"] for r in rows)
+    worst_quality = min(r["vs_best_to_quality"] for r in rows)
     worst_dense = min(r["vs_dense"] for r in rows)
     ok = lambda c: "met" if c else "MISSED"  # noqa: E731
     copies = [r["copy_vs_pin"] for r in rows if r.get("copy_vs_pin") == r.get("copy_vs_pin")]  # not nan
@@ -110,8 +139,9 @@ def tuning_verdict(rows: list[dict]) -> str:
             ("vs the best fixed", [r["vs_best_fixed"] for r in rows]),
             ("copy vs pin", copies)) if len(vals) > 1 and all(v == v for v in vals))
     return (f"{rows[0]['group']}: locked {dict(decisions)} — same decision {n}/{len(rows)} "
-            f"({ok(n >= MIN_SAME_DECISION * len(rows))}); worst tuning {worst_fixed:.3f}x the best fixed "
-            f"({ok(worst_fixed >= MIN_VS_BEST_FIXED)}), {worst_dense:.3f}x dense ({ok(worst_dense >= MIN_VS_DENSE)})"
+            f"({ok(n >= MIN_SAME_DECISION * len(rows))}); worst tuning {worst_quality:.3f}x the best fixed "
+            f"counted to quality, {rows[0]['best_to_quality']} ({ok(worst_quality >= MIN_VS_BEST_FIXED)}), "
+            f"{worst_fixed:.3f}x the best fixed step, {worst_dense:.3f}x dense ({ok(worst_dense >= MIN_VS_DENSE)})"
             + control + pooled)
 
 
@@ -237,7 +267,8 @@ def rank_main(rank: int, world: int, args):
         fixed = [c.name for _, c in group if c.kind == "ours" and c.algorithm != "auto" and not c.name.endswith(COPY)]
         torch_rows = tuple(c.name for _, c in group if c.kind.startswith("torch"))
         copies = tuple(c.name for _, c in group if c.name.endswith(COPY))
-        tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed, torch_rows, copies)
+        tr = tuning_rows(hooks.short_label(spec, None), times, autos, fixed, torch_rows, copies,
+                         steps_to_quality(spec, args))
         per_tuning += tr
         verdicts.append(tuning_verdict(tr))
         for _, cfg in group:

@@ -249,11 +249,16 @@ def test_autotune_bench_puts_torch_hooks_beside_auto(tmp_path):
     assert float(rows[" dense "][10]) > 0
     tuning = next(ln for ln in md.splitlines() if ln.startswith("| powersgd-r2 | 0 | "))
     cells = [c.strip() for c in tuning.strip("|").split("|")]
-    assert cells[7] == "powersgd-r2@allreduce" and cells[11] == "torch-fp16", cells
+    assert cells[7] == "powersgd-r2@allreduce" and cells[13] == "torch-fp16", cells
     auto_ms, torch_ms = float(cells[5]), float(rows[" torch-fp16 "][5])
-    assert float(cells[12]) == pytest.approx(torch_ms / auto_ms, rel=0.02)
+    assert float(cells[14]) == pytest.approx(torch_ms / auto_ms, rel=0.02)
     pin_ms, copy_ms = float(rows[" powersgd-r2@allreduce "][5]), float(rows[" powersgd-r2@allreduce (copy) "][5])
-    assert float(cells[13]) == pytest.approx(pin_ms / copy_ms, rel=0.02)
+    assert float(cells[15]) == pytest.approx(pin_ms / copy_ms, rel=0.02)
+    # counted to quality (the bench's SGD with optimizer=): a PowerSGD step costs 1.5 steps
+    counted = {"dense": float(cells[6]), "powersgd-r2@allreduce": 1.5 * pin_ms}
+    assert cells[11] == min(counted, key=counted.get), cells
+    auto_q = auto_ms * (1.0 if cells[2] in ("dense", "auto:dense") else 1.5)
+    assert float(cells[12]) == pytest.approx(counted[cells[11]] / auto_q, rel=0.02), cells
     assert "an identical plan against itself, per round" in out
     best = out.split("of the best fixed choice (", 1)[1].split(")")[0]
     assert best in ("dense", "powersgd-r2@allreduce"), best
