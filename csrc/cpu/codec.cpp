@@ -663,6 +663,18 @@ void ss_decode_range(const void* q, int wb, i64 base, i64 e0, i64 e1, i64 chunk,
 
 }  // namespace
 
+// The fp32 bits of |v| (NaN above inf, as unsigned integers order them): the largest |x| a pass
+// wrote is the max of these, for the non-finite flag without another pass.
+inline u32 abs_bits(float v) { u32 b; std::memcpy(&b, &v, 4); return b & 0x7fffffffu; }
+
+// *amax <- the max of the threads' partial maxima (amax null: nothing).
+inline void store_max(const std::vector<u32>& part, u32* amax) {
+  if (!amax) return;
+  u32 a = 0;
+  for (u32 q : part) a = q > a ? q : a;
+  *amax = a;
+}
+
 // ---- the C ABI (ctypes) ----------------------------------------------------------------
 API int cp_abi_version() { return 8; }
 
@@ -739,7 +751,7 @@ API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float
         u[i] = v;
         const float w = v + r[i];
         x[i] = w;
-        u32 b; std::memcpy(&b, &w, 4); b &= 0x7fffffffu;
+        const u32 b = abs_bits(w);
         mx = b > mx ? b : mx;
       }
     } else {
@@ -748,13 +760,13 @@ API void cp_momentum(float* x, float* u, const float* r, i64 n, float div, float
         v = v + x[i] / div;
         u[i] = v;
         x[i] = v;
-        u32 b; std::memcpy(&b, &v, 4); b &= 0x7fffffffu;
+        const u32 b = abs_bits(v);
         mx = b > mx ? b : mx;
       }
     }
     part[t] = mx;
   });
-  if (amax) { u32 a = 0; for (u32 p : part) a = p > a ? p : a; *amax = a; }
+  store_max(part, amax);
 }
 
 // The error-feedback update after a sparsifier's round, with momentum factor masking, in one
@@ -883,12 +895,12 @@ API void cp_div_add(float* x, const float* r, i64 n, float div, u32* amax, int n
       float v = x[i] / div;
       v = v + r[i];
       x[i] = v;
-      u32 b; std::memcpy(&b, &v, 4); b &= 0x7fffffffu;
+      const u32 b = abs_bits(v);
       mx = b > mx ? b : mx;
     }
     part[t] = mx;
   });
-  if (amax) { u32 a = 0; for (u32 p : part) a = p > a ? p : a; *amax = a; }
+  store_max(part, amax);
 }
 
 // A cast compressor's (fp16 / bf16: wdt 1 / 2) allreduce round, finished in one pass over the
@@ -947,14 +959,14 @@ API void cp_outer_sync_send(const float* __restrict__ anchor, const float* __res
       if (local) local[k] = v;
       const float q = (anchor[k] - v) / div;
       d[k] = q;
-      u32 b; std::memcpy(&b, &q, 4); b &= 0x7fffffffu;
+      const u32 b = abs_bits(q);
       mx = b > mx ? b : mx;
     };
 #ifdef __AVX2__
     // streaming stores: the outputs are far larger than the caches (no read for ownership)
-    const uintptr_t lo = local ? (uintptr_t)local : 0;
-    for (; i < e1 && ((((uintptr_t)(d + i)) | (local ? (uintptr_t)(local + i) : 0)) & 31); ++i) one(i);
-    if ((((uintptr_t)(d + i)) & 31) == 0 && (lo == 0 || (((uintptr_t)(local + i)) & 31) == 0)) {
+    auto misaligned = [&](i64 k) { return (((uintptr_t)(d + k)) | (local ? (uintptr_t)(local + k) : 0)) & 31; };
+    for (; i < e1 && misaligned(i); ++i) one(i);
+    if (!misaligned(i)) {
       const __m256 dv = _mm256_set1_ps(div);
       const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
       __m256i vmx = _mm256_setzero_si256();
@@ -974,7 +986,7 @@ API void cp_outer_sync_send(const float* __restrict__ anchor, const float* __res
     for (; i < e1; ++i) one(i);
     part[t] = part[t] > mx ? part[t] : mx;
   });
-  if (amax) { u32 a = 0; for (u32 q : part) a = q > a ? q : a; *amax = a; }
+  store_max(part, amax);
 }
 
 // The outer sync's landing of one parameter in one pass (fp32): where avg is set, the plain
